@@ -1,0 +1,299 @@
+"""One typed config for a run: YAML plus dotted overrides, validated in full before any model loads.
+
+pydantic v2 rather than dataclasses: it checks types and ranges per field with the field's path in the error,
+refuses unknown keys (`extra="forbid"`), and keeps each field's documentation next to its default, from which
+the README's config reference is generated (`tandem config --doc`).
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message names the field, the bad value and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name; used in logs and as the TensorBoard run label.")
+    output_dir: str = Field(
+        "runs/run", description="Where metrics, TensorBoard events, plots and checkpoints go."
+    )
+    seed: int = Field(0, description="Seeds data order, sampling and initialization. Same seed, same metrics (CPU).")
+    steps: int = Field(100, ge=1, description="GRPO steps to run (one step = one batch of prompts sampled and trained on).")
+    threads: int = Field(
+        1, ge=0, description="torch threads per process; 0 leaves torch's default. One thread is as fast as two "
+        "for tiny models on a shared 2-core machine and far steadier.",
+    )
+    save_every: int = Field(50, ge=0, description="Write a checkpoint every N steps (and at the end); 0 = only at the end.")
+    keep_checkpoints: int = Field(2, ge=1, description="How many most recent checkpoints to keep.")
+    eval_every: int = Field(0, ge=0, description="Evaluate on held-out prompts every N steps; 0 = only before and after training.")
+    tensorboard: bool = Field(True, description="Also write TensorBoard event files (metrics.jsonl is always written).")
+    plots: bool = Field(True, description="Write PNG plots of the main curves into output_dir at the end.")
+    progress: bool = Field(True, description="Show a progress bar on the console.")
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        "", description="A local Hugging Face causal-LM folder (config.json, safetensors, tokenizer). "
+        "`tandem demo` fills this with its own warm-started model.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Training and sampling dtype. float32 on CPU (no fast bf16 there).",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run the model folder's own Python code. Off by default: only for folders you trust.",
+    )
+
+
+class DataConfig(Section):
+    task: Literal["arithmetic", "gsm8k", "jsonl"] = Field(
+        "arithmetic", description="`arithmetic`: the built-in demo task (generated, no files). `gsm8k`: the official "
+        "GSM8K jsonl files in `path` (question / answer after ####). `jsonl`: any jsonl/parquet/`datasets` folder at "
+        "`path` with `prompt_field` and `answer_field`.",
+    )
+    path: str = Field("", description="Training data: a .jsonl/.parquet file or a `datasets` folder (for gsm8k: train.jsonl).")
+    eval_path: str = Field("", description="Held-out data in the same format; empty = the task's own held-out split.")
+    prompt_field: str = Field("question", description="Row field holding the prompt text.")
+    answer_field: str = Field("answer", description="Row field holding the reference answer.")
+    chat_template: bool = Field(
+        False, description="Wrap prompts in the tokenizer's chat template (an error if it has none). "
+        "Instruct models want it; the demo model has none.",
+    )
+    system_prompt: str = Field("", description="System message when chat_template is on.")
+    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are refused with their row number.")
+    eval_size: int = Field(500, ge=1, description="Held-out prompts scored at each evaluation.")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = Field(
+        "hf", description="`hf`: the embedded engine (batched sampling with a KV cache, no extra dependency).",
+    )
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; GRPO needs diverse groups, so keep ~1.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = off.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 = off.")
+    max_new_tokens: int = Field(64, ge=1, description="Completion length limit; longer answers stop with finish_reason=length.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (the completion ends after the string).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens besides the tokenizer's EOS.")
+
+
+class BatchConfig(Section):
+    """Batch size is said once: prompts_per_step x group_size completions per step."""
+
+    prompts_per_step: int = Field(32, ge=1, description="Distinct prompts sampled per step.")
+    group_size: int = Field(8, ge=1, description="Completions sampled per prompt (the GRPO group, G).")
+    mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per pass over the step's batch; prompts_per_step must divide evenly "
+        "(a group is never split).",
+    )
+    micro_batch_tokens: int = Field(
+        8192, ge=1, description="Token budget of one forward/backward (prompt + completion tokens, after padding "
+        "inside the micro-batch). Bounds memory; does not change the result.",
+    )
+
+
+class AlgoConfig(Section):
+    advantage: str = Field("grpo", description="Advantage estimator (tandem.algo.ADVANTAGES). `grpo`: (r - group mean) / (group std + eps).")
+    policy_loss: str = Field("clip", description="Policy loss (tandem.algo.POLICY_LOSSES). `clip`: PPO clipped surrogate.")
+    loss_agg: str = Field(
+        "token_mean", description="Loss aggregation (tandem.algo.AGGREGATIONS). `token_mean` (DAPO) or "
+        "`seq_mean_token_mean` (original GRPO).",
+    )
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0.0, description="Upper clip: ratio <= 1 + clip_high. DAPO's clip-higher uses 0.28.")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(policy || reference) in the loss. 0 = no reference model is loaded.")
+    kl_estimator: str = Field("k3", description="KL estimator (tandem.algo.KL_ESTIMATORS): k1, k2 or k3 (GRPO's).")
+    adv_eps: float = Field(1e-6, gt=0.0, description="Added to the group std so equal rewards give advantage 0, not NaN.")
+    mu: int = Field(1, ge=1, description="Policy updates per batch (GRPO's mu) against the stored old logprobs.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW). Tiny models tolerate ~1e-4..1e-3.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this; 0 = off.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
+    schedule: Literal["constant", "cosine"] = Field("constant", description="LR after warm-up: constant, or cosine decay to min_lr_ratio.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
+
+
+class RewardSpec(Section):
+    name: str = Field(description="A registered reward (e.g. `arithmetic_exact`, `gsm8k`) or a plugin `module:function`.")
+    weight: float = Field(1.0, description="Weight in the summed reward.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
+
+
+class EvalConfig(Section):
+    k: int = Field(1, ge=1, description="Samples per prompt for pass@k and mean@k (unbiased estimator); 1 = greedy only.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for pass@k.")
+
+
+class PlacementConfig(Section):
+    mode: Literal["colocate"] = Field("colocate", description="`colocate`: training and sampling share the workers (time-sliced).")
+    backend: Literal["local"] = Field("local", description="`local`: workers live in this process.")
+    workers: int = Field(1, ge=1, le=1, description="Number of workers (the local backend runs one).")
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="arithmetic_exact"), RewardSpec(name="arithmetic_format", weight=0.1)],
+        description="Weighted sum of reward functions; each function's mean is its own metric.",
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        from tandem.algo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+
+        for field, table in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES),
+                             ("loss_agg", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
+            value = getattr(self.algo, field)
+            if value not in table:
+                raise ConfigError(f"algo.{field}: {value!r} is not registered{_suggest(value, table)}; "
+                                  f"choose one of: {', '.join(sorted(table))}")
+        b = self.batch
+        if b.prompts_per_step % b.mini_batches:
+            raise ConfigError(
+                f"batch.mini_batches: {b.mini_batches} does not divide batch.prompts_per_step={b.prompts_per_step} "
+                "(a group is never split across optimizer steps); pick a divisor of prompts_per_step")
+        longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        if b.micro_batch_tokens < longest:
+            raise ConfigError(
+                f"batch.micro_batch_tokens: {b.micro_batch_tokens} cannot hold one sequence of up to "
+                f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens; set it to at least {longest}")
+        if b.group_size < 2 and self.algo.advantage == "grpo":
+            raise ConfigError(
+                f"batch.group_size: {b.group_size} leaves every GRPO advantage at 0 (a group of one has no "
+                "relative reward); use group_size >= 2")
+        if self.data.task in ("gsm8k", "jsonl") and not self.data.path:
+            raise ConfigError(f"data.path: empty, but data.task={self.data.task!r} reads a file; set data.path")
+        if not self.rewards:
+            raise ConfigError("rewards: empty; name at least one reward function")
+        if self.eval.k > 1 and self.eval.temperature == 0:
+            raise ConfigError("eval.temperature: 0 with eval.k > 1 gives k identical samples; set a temperature > 0")
+        return self
+
+
+def _suggest(key: str, options) -> str:
+    near = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    return f"; did you mean {near[0]!r}?" if near else ""
+
+
+def _section_fields(path: tuple) -> list[str]:
+    """Valid keys at a dotted location of the config (for 'did you mean')."""
+    model: Any = Config
+    for part in path:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None)
+        if inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+            ann = inner[0]
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        where = ".".join(str(p) for p in loc) or "config"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key{_suggest(str(loc[-1]), _section_fields(loc[:-1]))}")
+        elif e["type"] == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
+            lines.append(str(e["ctx"]["error"]))
+        else:
+            lines.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. algo.kl_coef=0.01")
+    key, _, raw = text.partition("=")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        keys, value = _parse_override(text)
+        node = data
+        for i, k in enumerate(keys[:-1]):
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(keys[:i + 1])} is not a section")
+            node = nxt
+        node[keys[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (optional), apply `a.b=value` overrides, validate. Raises ConfigError with every problem listed."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: "
+                              f"{getattr(exc, 'problem', exc)}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def config_reference() -> str:
+    """Markdown reference of every field with its default and documentation (for the README)."""
+    out = []
+    for section, field in Config.model_fields.items():
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None)
+        model = inner[0] if inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel) else ann
+        out.append(f"### `{section}`\n")
+        if field.description:
+            out.append(field.description + "\n")
+        out.append("| key | default | meaning |\n|---|---|---|")
+        for name, f in model.model_fields.items():
+            default = f.default_factory() if f.default_factory else f.default
+            if isinstance(default, BaseModel):
+                default = default.model_dump()
+            out.append(f"| `{section}.{name}` | `{default!r}` | {f.description or ''} |")
+        out.append("")
+    return "\n".join(out)

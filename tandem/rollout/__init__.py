@@ -1,0 +1,11 @@
+"""Generation engines behind one protocol: `hf` (embedded) and `vllm`."""
+from tandem.rollout.base import Completion, RolloutEngine, Sampling  # noqa: F401
+
+
+def make_engine(name: str, **kwargs) -> RolloutEngine:
+    """Build the engine named in `rollout.engine`; engines import their heavy dependencies only here."""
+    if name == "hf":
+        from tandem.rollout.hf import HFEngine
+
+        return HFEngine(**kwargs)
+    raise ValueError(f"unknown rollout engine {name!r}; choose one of: hf")
