@@ -83,6 +83,10 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(64, ge=1, description="Completion length limit; longer answers stop with finish_reason=length.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (the completion ends after the string).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens besides the tokenizer's EOS.")
+    sync_bucket_mb: int = Field(
+        256, ge=1, description="Weight sync sends the trainer's tensors to the engine in buckets of at most this "
+        "many MiB (a larger tensor travels alone): bounds the extra memory of a sync.",
+    )
 
 
 class BatchConfig(Section):
@@ -101,11 +105,18 @@ class BatchConfig(Section):
 
 
 class AlgoConfig(Section):
-    advantage: str = Field("grpo", description="Advantage estimator (tandem.algo.ADVANTAGES). `grpo`: (r - group mean) / (group std + eps).")
-    policy_loss: str = Field("clip", description="Policy loss (tandem.algo.POLICY_LOSSES). `clip`: PPO clipped surrogate.")
+    advantage: str = Field(
+        "grpo", description="Advantage estimator (tandem.algo.ADVANTAGES): `grpo` (DeepSeekMath: (r - group mean) / "
+        "(group std + eps)), `dr_grpo` (Dr.GRPO: no std division), `grpo_batch_std` (batch std), `rloo` "
+        "(leave-one-out baseline), `reinforce_pp` (REINFORCE++: batch-normalized), `reinforce_pp_baseline`.",
+    )
+    policy_loss: str = Field(
+        "clip", description="Policy loss (tandem.algo.POLICY_LOSSES): `clip` (PPO clipped surrogate, DAPO "
+        "clip-higher via clip_high), `gspo` (GSPO sequence-level ratio), `cispo` (CISPO clipped-weight REINFORCE).",
+    )
     loss_agg: str = Field(
-        "token_mean", description="Loss aggregation (tandem.algo.AGGREGATIONS). `token_mean` (DAPO) or "
-        "`seq_mean_token_mean` (original GRPO).",
+        "token_mean", description="Loss aggregation (tandem.algo.AGGREGATIONS): `token_mean` (DAPO), "
+        "`seq_mean_token_mean` (original GRPO), `seq_mean_token_sum`, `seq_mean_token_sum_norm` (Dr.GRPO).",
     )
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: ratio >= 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0.0, description="Upper clip: ratio <= 1 + clip_high. DAPO's clip-higher uses 0.28.")
@@ -113,6 +124,34 @@ class AlgoConfig(Section):
     kl_estimator: str = Field("k3", description="KL estimator (tandem.algo.KL_ESTIMATORS): k1, k2 or k3 (GRPO's).")
     adv_eps: float = Field(1e-6, gt=0.0, description="Added to the group std so equal rewards give advantage 0, not NaN.")
     mu: int = Field(1, ge=1, description="Policy updates per batch (GRPO's mu) against the stored old logprobs.")
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual clip (Ye et al. 2020): for A < 0 a token's loss is at most -c*A, so a huge "
+        "ratio on a bad token cannot blow up. None = off. Used by `clip`.",
+    )
+    gspo_clip_low: float = Field(3e-4, ge=0.0, description="GSPO's clip range below 1 for its sequence-level ratio.")
+    gspo_clip_high: float = Field(4e-4, ge=0.0, description="GSPO's clip range above 1 for its sequence-level ratio.")
+    kl_in_reward: bool = Field(
+        False, description="Subtract kl_coef * sum_t KL from each completion's reward (InstructGPT style) instead of "
+        "adding a KL loss term.",
+    )
+    entropy_coef: float = Field(0.0, ge=0.0, description="Weight of an entropy bonus in the loss; 0 = off (entropy is still a metric).")
+    tis_cap: float | None = Field(
+        None, gt=0.0, description="Truncated importance sampling (Yao et al. 2025): weight each token's loss by "
+        "min(pi_old / pi_sampler, cap) to correct sampler/trainer mismatch (vLLM numerics, async). None = off; 2.0 is common.",
+    )
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and "
+        "sample more prompts until prompts_per_step groups survive.",
+    )
+    max_sampling_rounds: int = Field(
+        4, ge=1, description="Cap on rollout rounds per step under dynamic_sampling; then train on what survived.",
+    )
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO soft overlong punishment: the reward ramps down over the last N tokens before "
+        "rollout.max_new_tokens; 0 = off.",
+    )
+    overlong_penalty: float = Field(1.0, ge=0.0, description="The penalty reached at rollout.max_new_tokens.")
+    mask_truncated: bool = Field(False, description="DAPO overlong filtering: truncated completions give no gradient.")
 
 
 class OptimConfig(Section):
@@ -178,10 +217,15 @@ class Config(Section):
             raise ConfigError(
                 f"batch.micro_batch_tokens: {b.micro_batch_tokens} cannot hold one sequence of up to "
                 f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens; set it to at least {longest}")
-        if b.group_size < 2 and self.algo.advantage == "grpo":
+        if b.group_size < 2 and self.algo.advantage in ("grpo", "dr_grpo", "grpo_batch_std", "rloo"):
             raise ConfigError(
                 f"batch.group_size: {b.group_size} leaves every GRPO advantage at 0 (a group of one has no "
                 "relative reward); use group_size >= 2")
+        if self.algo.kl_in_reward and self.algo.kl_coef == 0:
+            raise ConfigError("algo.kl_in_reward: true needs algo.kl_coef > 0 (the penalty's weight)")
+        if self.algo.overlong_buffer > self.rollout.max_new_tokens:
+            raise ConfigError(f"algo.overlong_buffer: {self.algo.overlong_buffer} exceeds rollout.max_new_tokens="
+                              f"{self.rollout.max_new_tokens}; the ramp must fit inside the length limit")
         if self.data.task in ("gsm8k", "jsonl") and not self.data.path:
             raise ConfigError(f"data.path: empty, but data.task={self.data.task!r} reads a file; set data.path")
         if not self.rewards:

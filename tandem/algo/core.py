@@ -2,6 +2,16 @@
 
 Shapes: `B` sequences, `T` completion tokens (padded, with `mask` 1 on real tokens). A new variant is one
 function here plus its test; the trainer selects functions by the names in `AlgoConfig`.
+
+Besides the four registries, this module holds the pure helpers of the GRPO family's training tricks
+(the trainer calls them; each is a few lines of tensor code, tested on its own):
+
+- `kl_reward_penalty`: KL as a reward penalty (instead of a loss term).
+- `entropy_loss_term`, `kl_loss_term`: extra per-token loss terms, aggregated with the policy loss.
+- `nonzero_variance_groups`, `first_k_groups`: DAPO's dynamic sampling.
+- `overlong_penalty`, `truncation_mask`: DAPO's overlong reward shaping and overlong filtering.
+- `tis_weights`: truncated importance sampling against the sampler's logprobs (Yao et al. 2025).
+- `aggregation_totals`: the mini-batch totals every aggregation divides by.
 """
 from __future__ import annotations
 
@@ -15,6 +25,9 @@ ADVANTAGES: dict[str, Callable[..., Tensor]] = {}
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
 AGGREGATIONS: dict[str, Callable[..., Tensor]] = {}
+
+# exp() of a log-ratio beyond this overflows float16/bfloat16 ranges or explodes a gradient; clamp first.
+_MAX_LOG_RATIO = 20.0
 
 
 def _register(table: dict, name: str):
@@ -45,6 +58,7 @@ def register_aggregation(name: str):
 
 # ---------------------------------------------------------------------------------------------- advantages
 # Signature: (rewards[N], groups[N] long, eps) -> advantages[N]. `groups` labels which prompt a sample answers.
+# Statistics are taken in float64 and the result is cast back to the rewards' dtype.
 
 
 def _group_stats(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -59,11 +73,77 @@ def _group_stats(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tenso
     return means[inv], var.sqrt()[inv], counts[inv]
 
 
+def _safe_div(x: Tensor, d: Tensor) -> Tensor:
+    """x / d, and 0 where d == 0 (a zero-spread group with eps = 0 has x == 0 too): never NaN."""
+    return torch.where(d > 0, x / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(x))
+
+
+def _batch_std(x: Tensor) -> Tensor:
+    """Unbiased std over all samples; 0 (not NaN) for a batch of one."""
+    return x.std() if x.numel() > 1 else torch.zeros((), dtype=x.dtype)
+
+
 @register_advantage("grpo")
 def grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): (r - mean(group)) / (std(group) + eps)."""
     mean, std, _ = _group_stats(rewards, groups)
-    return ((rewards.double() - mean) / (std + eps)).to(rewards.dtype)
+    return _safe_div(rewards.double() - mean, std + eps).to(rewards.dtype)
+
+
+@register_advantage("dr_grpo")
+def dr_grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): r - mean(group).
+
+    No division by the group std, which up-weights too-easy and too-hard prompts (a difficulty bias).
+    """
+    mean, _, _ = _group_stats(rewards, groups)
+    return (rewards.double() - mean).to(rewards.dtype)
+
+
+@register_advantage("grpo_batch_std")
+def grpo_batch_std_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+    """Group mean, batch std (Liu et al. 2025, "Tricks or Traps?", Lite PPO): (r - mean(group)) / (std(batch) + eps).
+
+    The std of all rewards in the step scales every group alike, so low-variance groups are not blown up.
+    """
+    mean, _, _ = _group_stats(rewards, groups)
+    r = rewards.double()
+    return _safe_div(r - mean, _batch_std(r) + eps).to(rewards.dtype)
+
+
+@register_advantage("rloo")
+def rloo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics"): r_i - mean_{j != i in group} r_j = n/(n-1) (r_i - mean(group)).
+
+    A group of one has no other sample to form a baseline: its advantage is 0.
+    """
+    mean, _, n = _group_stats(rewards, groups)
+    n = n.double()
+    scale = torch.where(n > 1, n / (n - 1).clamp(min=1), torch.zeros_like(n))
+    return (scale * (rewards.double() - mean)).to(rewards.dtype)
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++ (Hu 2025): global normalization, (r - mean(batch)) / (std(batch) + eps). Groups are ignored.
+
+    With outcome rewards and no token-level KL in the reward, the discounted return of every token is the
+    sequence reward, so the per-sample normalization here equals REINFORCE++'s whitening.
+    """
+    r = rewards.double()
+    return _safe_div(r - r.mean(), _batch_std(r) + eps).to(rewards.dtype)
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++-baseline (Hu 2025): x = r - mean(group), then (x - mean(batch x)) / (std(batch x) + eps).
+
+    The group mean removes each prompt's difficulty; the batch normalization sets one scale for the step.
+    Samples are weighted alike (verl whitens over tokens, which weighs long answers more).
+    """
+    mean, _, _ = _group_stats(rewards, groups)
+    x = rewards.double() - mean
+    return _safe_div(x - x.mean(), _batch_std(x) + eps).to(rewards.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- KL estimators
@@ -85,8 +165,18 @@ def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 @register_kl("k3")
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 = exp(ref - pi) - (ref - pi) - 1: unbiased and non-negative (GRPO's choice). Clamped against overflow."""
-    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    d = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return torch.exp(d) - d - 1.0
+
+
+def kl_reward_penalty(kl: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """KL as a reward penalty (InstructGPT, Ouyang et al. 2022; verl's `use_kl_in_reward`): coef * sum_t kl[b,t].
+
+    Returns the per-sequence penalty [B], detached, to *subtract* from the rewards before advantages are
+    computed. The sum over tokens (not the mean) is the sequence-level KL(pi || ref) estimate. Fully masked
+    rows give 0.
+    """
+    return (coef * (kl * mask).sum(-1)).detach()
 
 
 # ---------------------------------------------------------------------------------------------- policy losses
@@ -98,34 +188,121 @@ class LossParams:
 
     clip_low: float = 0.2
     clip_high: float = 0.2
+    # Dual clip (Ye et al. 2020): for A < 0 the token loss is at most -c * A. None = off; must be > 1.
+    dual_clip: float | None = None
+    # GSPO's sequence-level ratio lives much closer to 1 than a token ratio: its own, tiny clip range.
+    seq_clip_low: float = 3e-4
+    seq_clip_high: float = 4e-4
+
+    def __post_init__(self) -> None:
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
 
 
 # Signature: (logp[B,T], old_logp[B,T], advantages[B], mask[B,T], params) -> (per-token loss [B,T], metrics).
 # Metrics are per-token tensors [B,T] (masked means are taken by the caller, over the whole step).
 
 
+def _token_adv(advantages: Tensor) -> Tensor:
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
 @register_policy_loss("clip")
 def clipped_surrogate(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, params: LossParams
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate with separate low/high bounds (DAPO's clip-higher when clip_high > clip_low).
+    """PPO clipped surrogate (Schulman et al. 2017) with separate low/high bounds (DAPO's clip-higher when
+    clip_high > clip_low) and optional dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games").
 
-    loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A), ratio = exp(logp - old_logp).
+    loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A), ratio = exp(logp - old_logp);
+    with dual clip c, for A < 0: loss = min(loss, -c * A), so a huge ratio on a bad token cannot blow up.
     """
-    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    adv = _token_adv(advantages)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - params.clip_low, 1.0 + params.clip_high) * adv
     loss = -torch.minimum(unclipped, clipped)
     clip_frac = (clipped < unclipped).to(logp.dtype)  # tokens where the clip bound was active
-    return loss * mask, {"clip_frac": clip_frac.detach(), "ratio": ratio.detach()}
+    metrics = {"clip_frac": clip_frac.detach(), "ratio": ratio.detach()}
+    if params.dual_clip is not None:
+        bound = -params.dual_clip * adv
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound.expand_as(loss), loss)
+        metrics["dual_clip_frac"] = dual.to(logp.dtype).detach()
+    return loss * mask, metrics
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, params: LossParams
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): a clipped surrogate on the sequence ratio
+
+    s_i = exp(mean_t (logp - old_logp)) (length-normalized), clipped to [1 - seq_clip_low, 1 + seq_clip_high].
+
+    Token form (GSPO-token): s_{i,t} = sg(s_i) * exp(logp_t - sg(logp_t)); its value is s_i at every token and its
+    gradient is s_i * grad logp_t, whose mean over the sequence's tokens is grad s_i. So aggregating these
+    per-token losses with `seq_mean_token_mean` reproduces the sequence objective exactly (value and gradient).
+    """
+    adv = _token_adv(advantages)
+    lengths = mask.sum(-1).clamp(min=1)
+    seq_log_ratio = ((logp - old_logp) * mask).sum(-1) / lengths  # fully masked row: 0, not NaN
+    log_s = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    s = torch.exp(log_s.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    unclipped = s * adv
+    clipped = s.clamp(1.0 - params.seq_clip_low, 1.0 + params.seq_clip_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    clip_frac = (clipped < unclipped).to(logp.dtype)
+    return loss * mask, {"clip_frac": clip_frac.detach(), "ratio": s.detach()}
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, params: LossParams
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by a clipped, stop-gradient importance weight.
+
+    grad = -sg(min(ratio, 1 + clip_high)) * A * grad logp_t: unlike PPO no token's gradient is dropped, only its
+    weight is capped. As in the paper only the upper bound is applied (their eps_low is effectively infinite).
+    Written as -sg(w) * A * exp(logp - sg(logp)) so the value is -w * A (a readable loss) with that gradient.
+    """
+    adv = _token_adv(advantages)
+    ratio = torch.exp((logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).detach()
+    cap = 1.0 + params.clip_high
+    weight = ratio.clamp(max=cap)
+    loss = -weight * adv * torch.exp(logp - logp.detach())
+    return loss * mask, {"clip_frac": (ratio > cap).to(logp.dtype), "ratio": ratio}
+
+
+def tis_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training"): w = min(exp(old_logp - sampler_logp), cap), detached.
+
+    The sampler (vLLM, an older policy under async) is not the trainer's policy; multiplying each token's policy
+    loss by w corrects for the mismatch, and the cap bounds the variance. Returns (w [B,T], zero on padding;
+    per-token indicator [B,T] of tokens whose weight was capped, to be averaged like the loss metrics).
+    """
+    ratio = torch.exp((old_logp - sampler_logp).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    capped = (ratio > cap) & (mask > 0)
+    return ratio.clamp(max=cap) * mask, capped.to(ratio.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- aggregation
 # A step's sequences are split into micro-batches (a token budget); each micro-batch adds its share of the
 # mini-batch loss, so the sum over micro-batches equals the loss over the whole mini-batch however it is split.
-# Signature: (loss[B,T], mask[B,T], total_tokens, total_seqs, max_len) -> scalar share.
+# A micro-batch holds whole sequences. Signature: (loss[B,T], mask[B,T], total_tokens, total_seqs, max_len) ->
+# scalar share, where total_tokens / total_seqs count the whole mini-batch (see `aggregation_totals`) and
+# max_len is a constant of the run (the completion-length limit), never the batch's longest row.
+
+
+def aggregation_totals(mask: Tensor) -> tuple[int, int]:
+    """(total_tokens, total_seqs) of a mini-batch: unmasked tokens, and sequences with at least one of them.
+
+    A fully masked row (e.g. a truncated completion under overlong filtering) does not count as a sequence,
+    so filtering does not dilute the other sequences' weight.
+    """
+    return int(mask.sum().item()), int((mask.sum(-1) > 0).sum().item())
 
 
 @register_aggregation("token_mean")
@@ -141,11 +318,104 @@ def seq_mean_token_mean(loss: Tensor, mask: Tensor, total_tokens: int, total_seq
     return per_seq.sum() / max(total_seqs, 1)
 
 
+@register_aggregation("seq_mean_token_sum")
+def seq_mean_token_sum(loss: Tensor, mask: Tensor, total_tokens: int, total_seqs: int, max_len: int) -> Tensor:
+    """Sum over tokens of each sequence, then mean over sequences (verl's `seq-mean-token-sum`)."""
+    return (loss * mask).sum() / max(total_seqs, 1)
+
+
+@register_aggregation("seq_mean_token_sum_norm")
+def seq_mean_token_sum_norm(
+    loss: Tensor, mask: Tensor, total_tokens: int, total_seqs: int, max_len: int
+) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025): sum over tokens / max_len (a constant), then mean over sequences.
+
+    Dividing by a constant instead of each answer's length removes GRPO's length bias (short wrong answers
+    penalized harder, long wrong answers less).
+    """
+    return (loss * mask).sum() / (max(max_len, 1) * max(total_seqs, 1))
+
+
+# ---------------------------------------------------------------------------------------------- extra loss terms
+# Per-token terms [B,T] added to the policy loss *before* aggregation, so they share its weighting and its
+# micro-batch split: total = policy_loss + kl_loss_term(...) + entropy_loss_term(...), then AGGREGATIONS[name].
+
+
+def kl_loss_term(kl: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """KL as a loss term (GRPO): coef * kl per token, masked."""
+    return coef * kl * mask
+
+
+def entropy_loss_term(entropy: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """Entropy bonus (Williams & Peng 1991; PPO): -coef * entropy per token, masked (minimizing it raises entropy)."""
+    return -coef * entropy * mask
+
+
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Per-position entropy of the categorical distribution given by `logits` [..., V]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    """Per-position entropy of the categorical distribution given by `logits` [..., V].
+
+    Computed in at least float32 (bf16 logits lose too much in log_softmax); float64 stays float64.
+    """
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    logp = torch.log_softmax(x, dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------- DAPO sampling tricks
+
+
+def nonzero_variance_groups(rewards: Tensor, groups: Tensor) -> Tensor:
+    """DAPO's dynamic sampling (Yu et al. 2025): bool mask [N], True for samples whose group's rewards are not
+    all equal. An all-equal group (all right, all wrong, or a group of one) has zero advantage under GRPO and
+    only dilutes the batch's gradient.
+    """
+    _, inv = torch.unique(groups, return_inverse=True)
+    n = int(inv.max().item()) + 1 if inv.numel() else 0
+    r = rewards.double()
+    hi = torch.full((n,), -torch.inf, dtype=r.dtype).scatter_reduce(0, inv, r, "amax")
+    lo = torch.full((n,), torch.inf, dtype=r.dtype).scatter_reduce(0, inv, r, "amin")
+    return (hi > lo)[inv]
+
+
+def first_k_groups(groups: Tensor, keep: Tensor, k: int) -> Tensor:
+    """Indices (long, ascending) of the kept samples that belong to the first k kept groups, groups ordered by
+    first appearance. Dynamic sampling accumulates rounds until k groups survive, then trims to exactly k.
+    """
+    idx = torch.nonzero(keep, as_tuple=False).flatten()
+    chosen: set[int] = set()
+    out = []
+    for i in idx.tolist():
+        g = int(groups[i])
+        if g not in chosen:
+            if len(chosen) == k:
+                continue
+            chosen.add(g)
+        out.append(i)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty_factor: float) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025), a reward term [N] to add to the rewards:
+
+    0 for length <= max_len - buffer; then linearly down to -penalty_factor at length = max_len; -penalty_factor
+    beyond. buffer <= 0 turns the ramp into a step at max_len.
+    """
+    lengths = lengths.to(torch.float64)
+    if buffer <= 0:
+        pen = (lengths > max_len).to(torch.float64)
+    else:
+        pen = ((lengths - (max_len - buffer)) / buffer).clamp(0.0, 1.0)
+    return (-penalty_factor * pen).to(torch.get_default_dtype())
+
+
+def truncation_mask(truncated: Tensor) -> Tensor:
+    """DAPO's overlong filtering: a per-sequence factor [N], 0 for truncated completions, 1 otherwise.
+
+    Multiply it into the token mask (`mask * truncation_mask(t)[:, None]`) before `aggregation_totals`, so a
+    truncated answer, whose reward says nothing about its reasoning, contributes no gradient.
+    """
+    return (~truncated.bool()).to(torch.get_default_dtype())

@@ -1,0 +1,43 @@
+"""Evaluation on held-out prompts: greedy accuracy, and sampled pass@k / mean@k with the unbiased estimator."""
+from __future__ import annotations
+
+from math import comb
+
+from tandem.data.sources import Prompt
+from tandem.rewards.base import RewardScorer
+from tandem.rollout.base import Sampling
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """P(at least one of k draws without replacement from n samples, c of them correct, is correct)
+    = 1 - C(n-c, k) / C(n, k) (Chen et al. 2021, the unbiased estimator)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_reward: str, max_new_tokens: int,
+             k: int = 1, temperature: float = 1.0, seed: int = 0, stop: tuple[str, ...] = ()) -> dict[str, float]:
+    """`generate(prompt_ids, sampling) -> completions`. A sample is correct when `correct_reward` scores >= 1."""
+    ids = [p.ids for p in prompts]
+    rows = [p.row for p in prompts]
+    out = {}
+    greedy = generate(ids, Sampling(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stop, seed=seed))
+    res = scorer.score([c.text for c in greedy], [r["question"] for r in rows], rows)
+    correct = [s >= 1.0 for s in res.per_fn[correct_reward]]
+    out["accuracy"] = sum(correct) / len(correct)
+    out["reward"] = sum(res.total) / len(res.total)
+    if k > 1:
+        sampled = generate(ids, Sampling(n=k, temperature=temperature, max_new_tokens=max_new_tokens, stop=stop,
+                                         seed=seed))
+        res = scorer.score([c.text for c in sampled], [rows[c.prompt_index]["question"] for c in sampled],
+                           [rows[c.prompt_index] for c in sampled])
+        hits = [0] * len(prompts)
+        for c, s in zip(sampled, res.per_fn[correct_reward]):
+            hits[c.prompt_index] += s >= 1.0
+        for kk in sorted({1, 2, k} & set(range(1, k + 1))):
+            out[f"pass@{kk}"] = sum(pass_at_k(k, h, kk) for h in hits) / len(hits)
+        out[f"mean@{k}"] = sum(hits) / (k * len(hits))
+    return out

@@ -1,0 +1,90 @@
+"""Run metrics: one JSON line per step always, TensorBoard when enabled, PNG plots and a summary table at the end."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+# Curves drawn at the end of a run, if they were logged.
+PLOTTED = ["reward/mean", "eval/accuracy", "train/accuracy", "loss", "kl", "entropy", "completion/length_mean",
+           "logprob_diff", "time/step"]
+
+
+class MetricsLog:
+    def __init__(self, output_dir: Path, tensorboard: bool, run_name: str, resume_step: int | None = None):
+        self.dir = output_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.history: list[dict] = []
+        if resume_step is not None and self.path.is_file():
+            # Steps logged after the checkpoint we resume from are redone: drop them so each step appears once.
+            kept = [json.loads(l) for l in self.path.read_text().splitlines() if l.strip()]
+            self.history = [r for r in kept if r.get("step", 0) <= resume_step]
+        elif self.path.exists():
+            self.path.unlink()
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"), comment=run_name)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self.history.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.tb:
+            self.tb.flush()
+            self.tb.close()
+
+    def plot(self) -> Path | None:
+        keys = [k for k in PLOTTED if any(k in r for r in self.history)]
+        if not keys:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        cols = 3
+        rows = math.ceil(len(keys) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3 * rows), squeeze=False)
+        for ax, k in zip(axes.flat, keys):
+            pts = [(r["step"], r[k]) for r in self.history if isinstance(r.get(k), (int, float))]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 30 else None)
+            ax.set_title(k)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        fig.tight_layout()
+        out = self.dir / "curves.png"
+        fig.savefig(out, dpi=80)
+        plt.close(fig)
+        return out
+
+    def summary(self) -> str:
+        """A table of the main metrics: first logged value, last value, and the best (max or min) seen."""
+        lines = [f"{'metric':<28}{'first':>12}{'last':>12}{'best':>12}"]
+        for k in PLOTTED + ["time/rollout", "time/update", "time/sync", "tokens_per_s"]:
+            vals = [r[k] for r in self.history if isinstance(r.get(k), (int, float))]
+            if not vals:
+                continue
+            best = min(vals) if k in ("loss", "logprob_diff") or k.startswith("time/") else max(vals)
+            lines.append(f"{k:<28}{vals[0]:>12.4g}{vals[-1]:>12.4g}{best:>12.4g}")
+        return "\n".join(lines)
+
+
+def _clean(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v

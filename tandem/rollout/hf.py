@@ -1,0 +1,162 @@
+"""The embedded rollout engine: batched sampling with a KV cache on any Hugging Face causal LM, no extra dependency."""
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
+from tandem.rollout.base import Completion, Sampling
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top-k tokens and outside the smallest set holding top_p mass."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the most likely token always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+class HFEngine:
+    """Samples with the model's own forward and a DynamicCache, one decode step for the whole batch at a time.
+
+    Rows are left-padded so every row's next token sits in the last column; a row that has finished keeps
+    feeding padding (its outputs are discarded) and the loop ends when every row has finished.
+    """
+
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
+                 model=None, tokenizer=None):
+        self.tokenizer = tokenizer or load_tokenizer(model_path, trust_remote_code)
+        self.model = model if model is not None else load_causal_lm(model_path, dtype, trust_remote_code)
+        self.model.eval().requires_grad_(False)
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.seed = seed
+        self._params = dict(self.model.named_parameters())
+        self.last_sync_seconds = 0.0
+        self.last_sync_bytes = 0
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: empty prompt (0 tokens); every prompt needs at least one token")
+        n = sampling.n
+        rows = [p for p in prompts for _ in range(n)]
+        B = len(rows)
+        gen = torch.Generator().manual_seed(self.seed if sampling.seed is None else sampling.seed)
+        plen = max(len(p) for p in rows)
+        ids = torch.full((B, plen), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, plen), dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, plen - len(p):] = torch.tensor(p)
+            attn[i, plen - len(p):] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :]
+        next_pos = pos[:, -1] + 1
+
+        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))),
+                                dtype=torch.long)
+        finished = torch.zeros(B, dtype=torch.bool)
+        stop_by_string = torch.zeros(B, dtype=torch.bool)
+        lengths = torch.zeros(B, dtype=torch.long)
+        tokens: list[torch.Tensor] = []
+        logps: list[torch.Tensor] = []
+        texts: list[str | None] = [None] * B
+        for _ in range(sampling.max_new_tokens):
+            logits = logits.float()
+            if sampling.temperature > 0:
+                scaled = logits / sampling.temperature
+                logp_all = torch.log_softmax(scaled, dim=-1)
+                probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
+                tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            else:
+                logp_all = torch.log_softmax(logits, dim=-1)
+                tok = logits.argmax(-1)
+            lp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
+            tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
+            tokens.append(tok)
+            logps.append(lp)
+            lengths += (~finished).long()
+            hit = torch.isin(tok, stop_ids) & ~finished
+            if sampling.stop:
+                hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts, stop_by_string)
+            finished |= hit
+            if bool(finished.all()):
+                break
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=-1)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        tok_mat = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in range(B)]
+        lp_mat = torch.stack(logps, 1).tolist() if logps else [[] for _ in range(B)]
+        results = []
+        for i in range(B):
+            L = int(lengths[i])
+            cids = tok_mat[i][:L]
+            text = texts[i] if texts[i] is not None else self.tokenizer.decode(cids, skip_special_tokens=True)
+            results.append(Completion(
+                prompt_ids=list(rows[i]), completion_ids=cids, logprobs=lp_mat[i][:L], text=text,
+                finish_reason="stop" if bool(finished[i]) else "length", prompt_index=i // n,
+            ))
+        return results
+
+    def _stop_strings(self, tokens, lengths, done, stops, texts, by_string) -> torch.Tensor:
+        """Rows whose decoded completion now contains a stop string; their text is cut just after it."""
+        hit = torch.zeros(len(lengths), dtype=torch.bool)
+        last = torch.stack(tokens, 1)
+        for i in torch.nonzero(~done).flatten().tolist():
+            text = self.tokenizer.decode(last[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
+            cut = min((text.find(s) + len(s) for s in stops if s in text), default=-1)
+            if cut >= 0:
+                hit[i] = True
+                by_string[i] = True
+                texts[i] = text[:cut]
+        return hit
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the engine's parameters in place; all names and shapes are checked before any copy."""
+        start = time.perf_counter()
+        items = list(named_tensors)
+        for name, t in items:
+            p = self._params.get(name)
+            if p is None:
+                raise ValueError(f"load_weights: unknown parameter {name!r}; the engine's model has no such name")
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(t.shape)}, the engine expects {tuple(p.shape)}")
+        nbytes = 0
+        for name, t in items:
+            p = self._params[name]
+            if p.data_ptr() != t.data_ptr():
+                p.copy_(t)
+            nbytes += t.numel() * t.element_size()
+        self.last_sync_seconds = time.perf_counter() - start
+        self.last_sync_bytes = nbytes
+
+    def sleep(self) -> int:
+        return 0  # the embedded engine on CPU shares host memory with the trainer; nothing to release
+
+    def wake(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.model = None
+        self._params = {}

@@ -1,0 +1,265 @@
+"""The controller: GRPO's loop over a worker group, with evaluation, checkpoint and metrics cadence."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem import checkpoint
+from tandem.algo import ADVANTAGES, first_k_groups, nonzero_variance_groups, overlong_penalty
+from tandem.config import Config
+from tandem.data.sources import Prompt, PromptStream, load_task_rows, tokenize_rows
+from tandem.evaluation import evaluate
+from tandem.metrics import MetricsLog
+from tandem.modeling import check_model_folder, load_tokenizer
+from tandem.rewards import RewardScorer
+from tandem.rollout import Completion, Sampling
+from tandem.workers import LocalWorkerGroup, WorkerGroup
+from tandem.workers.hybrid import HybridWorker
+
+log = logging.getLogger("tandem.trainer")
+
+
+@dataclass
+class Run:
+    cfg: Config
+    stream: PromptStream
+    eval_prompts: list[Prompt]
+    scorer: RewardScorer
+    correct_reward: str
+    group: WorkerGroup
+    metrics: MetricsLog
+    start_step: int = 0
+
+
+class Timer(defaultdict):
+    def __init__(self):
+        super().__init__(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[phase] += time.perf_counter() - start
+
+
+def prepare(cfg: Config, resume: bool = False) -> Run:
+    """Check everything that can be checked (model folder, tokenizer, data, rewards), then load the workers."""
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    check_model_folder(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    d = cfg.data
+    train_rows = load_task_rows(d.task, d.path, d.prompt_field, d.answer_field, "train")
+    train = tokenize_rows(train_rows, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens, d.path or d.task)
+    if d.eval_path or d.task == "arithmetic":
+        eval_rows = load_task_rows(d.task, d.eval_path or d.path, d.prompt_field, d.answer_field, "test")
+        eval_prompts = tokenize_rows(eval_rows[: d.eval_size], tokenizer, d.chat_template, d.system_prompt,
+                                     d.max_prompt_tokens, d.eval_path or d.task)
+    else:
+        eval_prompts = train[: d.eval_size]  # no held-out split given: say so in the logs
+        log.warning("no data.eval_path: evaluating on the first %d training prompts", len(eval_prompts))
+    scorer = RewardScorer([(r.name, r.weight, r.kwargs) for r in cfg.rewards])
+    correct = cfg.rewards[0].name
+
+    out = Path(cfg.run.output_dir)
+    last = checkpoint.latest(out / "checkpoints") if resume else None
+    if resume and last is None:
+        log.warning("--resume: no checkpoint in %s, starting from step 0", out / "checkpoints")
+    group = LocalWorkerGroup(lambda rank, size: HybridWorker(cfg, rank, size), cfg.placement.workers)
+    group.call("sync_weights")
+    stream = PromptStream(train, cfg.run.seed)
+    start = 0
+    if last is not None:
+        state = checkpoint.load_state(last)
+        group.call("load", str(last))
+        stream.load_state_dict(state["data"])
+        start = state["step"]
+        log.info("resumed from %s (step %d)", last, start)
+    metrics = MetricsLog(out, cfg.run.tensorboard, cfg.run.name, resume_step=start if last is not None else None)
+    return Run(cfg, stream, eval_prompts, scorer, correct, group, metrics, start)
+
+
+def generate(group: WorkerGroup, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+    """Spread prompts over the workers, keep results in prompt order with global prompt indices."""
+    n = group.size
+    shares = [prompts[r::n] for r in range(n)]
+    results = group.call_each("generate", [(s, sampling) for s in shares])
+    out: list[Completion] = []
+    for rank, comps in enumerate(results):
+        for c in comps:
+            c.prompt_index = c.prompt_index * n + rank
+            out.append(c)
+    return sorted(out, key=lambda c: c.prompt_index)  # stable: a group's samples keep their order
+
+
+def sampling_for(cfg: Config, seed: int) -> Sampling:
+    r = cfg.rollout
+    return Sampling(n=cfg.batch.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), stop_token_ids=tuple(r.stop_token_ids),
+                    seed=seed)
+
+
+def collect(run: Run, step: int, t: Timer) -> tuple[list[Prompt], list[Completion], list[float], dict]:
+    """Sample a step's groups and score them; with dynamic sampling, keep sampling until enough groups have
+    a reward spread (or the round cap is hit)."""
+    cfg, a = run.cfg, run.cfg.algo
+    P = cfg.batch.prompts_per_step
+    prompts: list[Prompt] = []
+    comps: list[Completion] = []
+    stats: dict[str, float] = defaultdict(float)
+    per_fn: dict[str, list[float]] = defaultdict(list)
+    totals: list[float] = []
+    rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
+    for rnd in range(rounds):
+        batch = run.stream.take(P)
+        with t("rollout"):
+            new = generate(run.group, [p.ids for p in batch], sampling_for(cfg, cfg.run.seed * 1_000_003 + step * 97 + rnd))
+        with t("reward"):
+            rows = [batch[c.prompt_index].row for c in new]
+            res = run.scorer.score([c.text for c in new], [r["question"] for r in rows], rows)
+        for name, n_err in res.errors.items():
+            stats[f"reward/errors/{name}"] += n_err
+        for c in new:
+            c.prompt_index += len(prompts)
+        prompts += batch
+        comps += new
+        totals += res.total
+        for name, scores in res.per_fn.items():
+            per_fn[name] += scores
+        if a.dynamic_sampling:
+            groups = torch.tensor([c.prompt_index for c in comps])
+            keep = nonzero_variance_groups(torch.tensor(totals), groups)
+            if len(set(groups[keep].tolist())) >= P or rnd == rounds - 1:
+                stats["dynamic/kept_group_frac"] = len(set(groups[keep].tolist())) / len(prompts)
+                stats["dynamic/rounds"] = rnd + 1
+                idx = first_k_groups(groups, keep, P).tolist()
+                if not idx:  # nothing has a reward spread: train on the last round rather than on nothing
+                    idx = list(range(len(comps) - len(new), len(comps)))
+                comps = [comps[i] for i in idx]
+                totals = [totals[i] for i in idx]
+                per_fn = {k: [v[i] for i in idx] for k, v in per_fn.items()}
+                break
+    for name, scores in per_fn.items():
+        stats[f"reward/{name}/mean"] = sum(scores) / len(scores)
+    stats["train/accuracy"] = sum(s >= 1.0 for s in per_fn[run.correct_reward]) / len(comps)
+    # renumber groups 0..k-1 in order so workers see contiguous prompt groups
+    remap = {g: i for i, g in enumerate(dict.fromkeys(c.prompt_index for c in comps))}
+    kept_prompts = [prompts[g] for g in remap]
+    for c in comps:
+        c.prompt_index = remap[c.prompt_index]
+    return kept_prompts, comps, totals, stats
+
+
+def grpo_step(run: Run, step: int) -> dict[str, float]:
+    cfg, a = run.cfg, run.cfg.algo
+    t = Timer()
+    with t("step"):
+        prompts, comps, rewards, m = collect(run, step, t)
+        lengths = torch.tensor([len(c.completion_ids) for c in comps])
+        reward = torch.tensor(rewards, dtype=torch.float32)
+        if a.overlong_buffer:
+            reward = reward + overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
+                                               a.overlong_penalty).float()
+        with t("logprobs"):
+            penalties = run.group.call("prepare", comps)[0]
+        if a.kl_in_reward:
+            reward = reward - torch.tensor(penalties, dtype=torch.float32)
+        groups = torch.tensor([c.prompt_index for c in comps])
+        adv = ADVANTAGES[a.advantage](reward, groups, eps=a.adv_eps)
+        with t("update"):
+            stats = run.group.call("train", adv)[0]
+        with t("sync"):
+            sync = run.group.call("sync_weights")[0]
+    gen_tokens = int(lengths.sum())
+    m.update(stats)
+    m.update({
+        "reward/mean": float(reward.mean()), "reward/std": float(reward.std()) if len(reward) > 1 else 0.0,
+        "advantage/mean": float(adv.mean()), "advantage/std": float(adv.std()) if len(adv) > 1 else 0.0,
+        "advantage/abs_mean": float(adv.abs().mean()),
+        "completion/length_mean": float(lengths.float().mean()), "completion/length_max": int(lengths.max()),
+        "completion/truncated_frac": sum(c.truncated for c in comps) / len(comps),
+        "time/rollout": t["rollout"], "time/reward": t["reward"], "time/logprobs": stats["time/logprobs"],
+        "time/update": stats["time/update"], "time/sync": t["sync"], "time/step": t["step"],
+        "sync/bytes": sync["bytes"], "sync/seconds": sync["seconds"],
+        "rollout/tokens_per_s": gen_tokens / max(t["rollout"], 1e-9),
+        "tokens_per_s": (gen_tokens + sum(len(c.prompt_ids) for c in comps)) / max(t["step"], 1e-9),
+    })
+    return m
+
+
+def run_eval(run: Run) -> dict[str, float]:
+    cfg = run.cfg
+
+    def gen(ids, sampling):
+        return generate(run.group, ids, sampling)
+
+    res = evaluate(gen, run.eval_prompts, run.scorer, run.correct_reward, cfg.rollout.max_new_tokens,
+                   k=cfg.eval.k, temperature=cfg.eval.temperature, seed=cfg.run.seed, stop=tuple(cfg.rollout.stop))
+    return {f"eval/{k}": v for k, v in res.items()}
+
+
+def save(run: Run, step: int) -> Path:
+    state = {"step": step, "data": run.stream.state_dict(), "config": run.cfg.model_dump(mode="json")}
+    return checkpoint.save(Path(run.cfg.run.output_dir) / "checkpoints", step,
+                           lambda folder: run.group.call("save", folder), state, run.cfg.run.keep_checkpoints)
+
+
+def train(cfg: Config, resume: bool = False) -> dict[str, float]:
+    """Run GRPO as configured; returns the final evaluation (and the first one, when this run made it)."""
+    run = prepare(cfg, resume)
+    r = cfg.run
+    summary: dict[str, float] = {}
+    try:
+        if run.start_step == 0:
+            first = run_eval(run)
+            run.metrics.log(0, first)
+            summary.update({f"initial_{k}": v for k, v in first.items()})
+            log.info("step 0 eval: %s", _fmt(first))
+        bar = _progress(r.progress, run.start_step, r.steps)
+        for step in range(run.start_step + 1, r.steps + 1):
+            m = grpo_step(run, step)
+            if r.eval_every and step % r.eval_every == 0 and step != r.steps:
+                m.update(run_eval(run))
+            if step == r.steps:
+                m.update(run_eval(run))
+            run.metrics.log(step, m)
+            if (r.save_every and step % r.save_every == 0) or step == r.steps:
+                save(run, step)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['train/accuracy']:.2f}",
+                                **({"eval": f"{m['eval/accuracy']:.2f}"} if "eval/accuracy" in m else {}))
+        if bar is not None:
+            bar.close()
+        final = run.metrics.history[-1] if run.metrics.history else {}
+        summary.update({k: v for k, v in final.items() if k.startswith("eval/")})
+        if r.plots:
+            run.metrics.plot()
+        print(run.metrics.summary())
+    finally:
+        run.metrics.close()
+        run.group.shutdown()
+        close = getattr(run.scorer, "close", None)
+        if close:
+            close()
+    return summary
+
+
+def _progress(enabled: bool, start: int, total: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
+
+
+def _fmt(m: dict) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())

@@ -1,0 +1,52 @@
+"""Worker groups: the controller's one way to reach workers, whether they live in this process or on Ray."""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+
+class WorkerError(RuntimeError):
+    """A worker failed; the message names the worker and the method (the phase) it was running."""
+
+
+class WorkerGroup(Protocol):
+    size: int
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `method(*args, **kwargs)` on every worker; one result per worker, in rank order."""
+        ...
+
+    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        """Run `method(*per_worker_args[rank])` on each worker; one result per worker, in rank order."""
+        ...
+
+    def shutdown(self) -> None:
+        ...
+
+
+class LocalWorkerGroup:
+    """Workers as plain objects in this process (the embedded default is this with size 1)."""
+
+    def __init__(self, factory: Callable[[int, int], Any], size: int = 1):
+        self.size = size
+        self.workers = [factory(rank, size) for rank in range(size)]
+
+    def _run(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
+        try:
+            return getattr(self.workers[rank], method)(*args, **kwargs)
+        except Exception as exc:
+            raise WorkerError(f"worker {rank}/{self.size} failed in {method}: {exc!r}") from exc
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [self._run(r, method, args, kwargs) for r in range(self.size)]
+
+    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        if len(per_worker_args) != self.size:
+            raise ValueError(f"call_each({method}): {len(per_worker_args)} argument tuples for {self.size} workers")
+        return [self._run(r, method, tuple(a), {}) for r, a in enumerate(per_worker_args)]
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            close = getattr(w, "close", None)
+            if close:
+                close()
+        self.workers = []
