@@ -11,8 +11,9 @@ from tandem.config import ConfigError, config_reference, load_config
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, KeyError)
 
-# The demo's settings on top of the defaults (the defaults already pick the arithmetic task and its rewards).
-DEMO_OVERRIDES = [
+# The demo's settings over the config defaults (which already pick the arithmetic task); a preset YAML given to
+# `tandem demo --config` and command-line overrides go on top.
+DEMO_DEFAULTS = [
     "run.name=demo", "run.output_dir=runs/demo", "run.steps=120", "run.eval_every=20", "run.save_every=20",
     "batch.prompts_per_step=32", "batch.group_size=8", "rollout.max_new_tokens=6", "data.max_prompt_tokens=16",
     "batch.micro_batch_tokens=4096", "optim.lr=5e-4", "data.eval_size=500",
@@ -33,18 +34,26 @@ def _demo(args) -> int:
     from tandem.trainer import train
 
     start = time.perf_counter()
-    cfg = load_config(None, DEMO_OVERRIDES + args.overrides)  # refuse bad overrides before building anything
+    load_config(args.config, args.overrides, DEMO_DEFAULTS)  # refuse bad input before building anything
     path = demo_model()
-    cfg = load_config(None, DEMO_OVERRIDES + [f"model.path={path}"] + args.overrides)
+    cfg = load_config(args.config, args.overrides, DEMO_DEFAULTS + [f"model.path={path}"])
     summary = train(cfg, resume=args.resume)
     summary["wall_seconds_including_bootstrap"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
     return 0
 
 
+def _optional_config(args) -> None:
+    """`tandem eval a.b=1` has no config file: a first positional that looks like an override is one."""
+    if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides.insert(0, args.config)
+        args.config = None
+
+
 def _eval(args) -> int:
     from tandem.trainer import run_eval, prepare
 
+    _optional_config(args)
     overrides = list(args.overrides)
     if args.model:
         overrides.append(f"model.path={args.model}")
@@ -55,12 +64,12 @@ def _eval(args) -> int:
     try:
         print(json.dumps(run_eval(run), indent=2))
     finally:
-        run.group.shutdown()
-        run.metrics.close()
+        run.close()
     return 0
 
 
 def _config(args) -> int:
+    _optional_config(args)
     if args.doc:
         print(config_reference())
     else:
@@ -84,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="build a tiny warm-started model (cached) and GRPO it on the arithmetic task")
     d.add_argument("overrides", nargs="*", help="key=value overrides of the demo config")
+    d.add_argument("--config", help="a preset YAML (e.g. examples/dapo.yaml) layered over the demo's settings")
     d.add_argument("--resume", action="store_true")
     d.set_defaults(fn=_demo)
 

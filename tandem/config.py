@@ -171,6 +171,17 @@ class RewardSpec(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
 
 
+class RewardPoolConfig(Section):
+    timeout_s: float = Field(
+        10.0, gt=0.0, description="Time limit of one reward call in the pool; a call past it scores 0 and is counted "
+        "(reward/errors/<name>/timeout). A batched function's one call covers its batch.",
+    )
+    workers: int | None = Field(
+        None, ge=0, description="Reward worker processes; None = one per core (at most 4); 0 = run every reward in "
+        "the trainer process, without time limits. Inline rewards (cheap built-ins) never use the pool.",
+    )
+
+
 class EvalConfig(Section):
     k: int = Field(1, ge=1, description="Samples per prompt for pass@k and mean@k (unbiased estimator); 1 = greedy only.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for pass@k.")
@@ -194,6 +205,7 @@ class Config(Section):
         default_factory=lambda: [RewardSpec(name="arithmetic_exact"), RewardSpec(name="arithmetic_format", weight=0.1)],
         description="Weighted sum of reward functions; each function's mean is its own metric.",
     )
+    reward_pool: RewardPoolConfig = Field(default_factory=RewardPoolConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
@@ -299,8 +311,19 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (optional), apply `a.b=value` overrides, validate. Raises ConfigError with every problem listed."""
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                defaults: list[str] | None = None) -> Config:
+    """`defaults` (dotted, e.g. a recipe's), then the YAML file, then `overrides`, validated together.
+
+    Raises ConfigError listing every problem.
+    """
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -316,7 +339,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r}: top level must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(_merge(apply_overrides({}, defaults or []), data), overrides or [])
     try:
         return Config.model_validate(data)
     except ValidationError as err:

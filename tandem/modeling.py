@@ -50,6 +50,9 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per load drowns the run's own progress
 
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, attn_implementation="sdpa"

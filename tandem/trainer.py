@@ -33,8 +33,14 @@ class Run:
     scorer: RewardScorer
     correct_reward: str
     group: WorkerGroup
-    metrics: MetricsLog
     start_step: int = 0
+    resumed: bool = False
+
+    def close(self) -> None:
+        self.group.shutdown()
+        close = getattr(self.scorer, "close", None)
+        if close:
+            close()
 
 
 class Timer(defaultdict):
@@ -66,7 +72,7 @@ def prepare(cfg: Config, resume: bool = False) -> Run:
     else:
         eval_prompts = train[: d.eval_size]  # no held-out split given: say so in the logs
         log.warning("no data.eval_path: evaluating on the first %d training prompts", len(eval_prompts))
-    scorer = RewardScorer([(r.name, r.weight, r.kwargs) for r in cfg.rewards])
+    scorer = RewardScorer(cfg.rewards, timeout_s=cfg.reward_pool.timeout_s, workers=cfg.reward_pool.workers)
     correct = cfg.rewards[0].name
 
     out = Path(cfg.run.output_dir)
@@ -83,8 +89,7 @@ def prepare(cfg: Config, resume: bool = False) -> Run:
         stream.load_state_dict(state["data"])
         start = state["step"]
         log.info("resumed from %s (step %d)", last, start)
-    metrics = MetricsLog(out, cfg.run.tensorboard, cfg.run.name, resume_step=start if last is not None else None)
-    return Run(cfg, stream, eval_prompts, scorer, correct, group, metrics, start)
+    return Run(cfg, stream, eval_prompts, scorer, correct, group, start, resumed=last is not None)
 
 
 def generate(group: WorkerGroup, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
@@ -127,6 +132,9 @@ def collect(run: Run, step: int, t: Timer) -> tuple[list[Prompt], list[Completio
             res = run.scorer.score([c.text for c in new], [r["question"] for r in rows], rows)
         for name, n_err in res.errors.items():
             stats[f"reward/errors/{name}"] += n_err
+        for name, kinds in res.error_kinds.items():
+            for kind, n_err in kinds.items():
+                stats[f"reward/errors/{name}/{kind}"] += n_err
         for c in new:
             c.prompt_index += len(prompts)
         prompts += batch
@@ -148,7 +156,7 @@ def collect(run: Run, step: int, t: Timer) -> tuple[list[Prompt], list[Completio
                 per_fn = {k: [v[i] for i in idx] for k, v in per_fn.items()}
                 break
     for name, scores in per_fn.items():
-        stats[f"reward/{name}/mean"] = sum(scores) / len(scores)
+        stats[f"reward/{name}"] = sum(scores) / len(scores)
     stats["train/accuracy"] = sum(s >= 1.0 for s in per_fn[run.correct_reward]) / len(comps)
     # renumber groups 0..k-1 in order so workers see contiguous prompt groups
     remap = {g: i for i, g in enumerate(dict.fromkeys(c.prompt_index for c in comps))}
@@ -217,10 +225,11 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     run = prepare(cfg, resume)
     r = cfg.run
     summary: dict[str, float] = {}
+    metrics = MetricsLog(Path(r.output_dir), r.tensorboard, r.name, run.start_step if run.resumed else None)
     try:
         if run.start_step == 0:
             first = run_eval(run)
-            run.metrics.log(0, first)
+            metrics.log(0, first)
             summary.update({f"initial_{k}": v for k, v in first.items()})
             log.info("step 0 eval: %s", _fmt(first))
         bar = _progress(r.progress, run.start_step, r.steps)
@@ -230,7 +239,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 m.update(run_eval(run))
             if step == r.steps:
                 m.update(run_eval(run))
-            run.metrics.log(step, m)
+            metrics.log(step, m)
             if (r.save_every and step % r.save_every == 0) or step == r.steps:
                 save(run, step)
             if bar is not None:
@@ -239,17 +248,14 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                                 **({"eval": f"{m['eval/accuracy']:.2f}"} if "eval/accuracy" in m else {}))
         if bar is not None:
             bar.close()
-        final = run.metrics.history[-1] if run.metrics.history else {}
+        final = metrics.history[-1] if metrics.history else {}
         summary.update({k: v for k, v in final.items() if k.startswith("eval/")})
         if r.plots:
-            run.metrics.plot()
-        print(run.metrics.summary())
+            metrics.plot()
+        print(metrics.summary())
     finally:
-        run.metrics.close()
-        run.group.shutdown()
-        close = getattr(run.scorer, "close", None)
-        if close:
-            close()
+        metrics.close()
+        run.close()
     return summary
 
 

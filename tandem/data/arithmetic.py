@@ -39,13 +39,25 @@ def corpus() -> list[str]:
 _DIGITS = re.compile(r"\d{1,3}")
 
 
-@register_reward("arithmetic_exact")
+@register_reward("arithmetic_exact", inline=True)
 def exact(completion: str, prompt: str, row, **_) -> float:
     """1 if the completion is exactly the reversed sum (surrounding whitespace ignored), else 0."""
     return float(completion.strip() == str(row["answer"]).strip())
 
 
-@register_reward("arithmetic_format")
+@register_reward("arithmetic_format", inline=True)
 def well_formed(completion: str, prompt: str, row, **_) -> float:
     """1 if the completion is 1-3 digits and nothing else (an answer that stops where it should)."""
     return float(_DIGITS.fullmatch(completion.strip()) is not None)
+
+
+@register_reward("arithmetic_digits", inline=True)
+def digits(completion: str, prompt: str, row, **_) -> float:
+    """Partial credit: the share of answer positions holding the right digit (a longer completion dilutes it).
+
+    Denser than exact match, so fewer GRPO groups have all-equal rewards and zero advantage.
+    """
+    got, want = completion.strip(), str(row["answer"]).strip()
+    if not want:
+        return 0.0
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))

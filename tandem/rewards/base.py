@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -141,6 +142,7 @@ class RewardScorer:
         self.timeout_s = float(timeout_s)
         self.workers = default_workers() if workers is None else int(workers)
         self._logged: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()  # one score() at a time: the pool drives its workers from one caller
         entries: list[_Entry] = []
         for spec in specs:  # (name, weight, kwargs) tuples or config RewardSpec objects
             name, weight, kwargs = (spec.name, spec.weight, spec.kwargs) if hasattr(spec, "name") else spec
@@ -211,6 +213,11 @@ class RewardScorer:
                         else (None, "pool", "no result") for i in range(len(items))] for e in entries}
 
     def score(self, completions: list[str], prompts: list[str], rows: list[Mapping]) -> RewardResult:
+        """Score each (completion, prompt, row); callable from any thread (calls are serialized)."""
+        with self._lock:
+            return self._score(completions, prompts, rows)
+
+    def _score(self, completions: list[str], prompts: list[str], rows: list[Mapping]) -> RewardResult:
         n = len(completions)
         if not (len(prompts) == len(rows) == n):
             raise ValueError(f"score: {n} completions, {len(prompts)} prompts, {len(rows)} rows")

@@ -59,7 +59,10 @@ class _Worker:
             os.close(up_w)
         self.tx = Connection(down_w, readable=False)
         self.rx = Connection(up_r, writable=False)
-        self.tx.send(("warm", warm))
+        try:
+            self.tx.send(("warm", warm))
+        except OSError:  # died at birth: the pool sees EOF on rx and counts a start failure
+            pass
         self.started = time.monotonic()
         self.ready = False
         self.job: Job | None = None
@@ -142,6 +145,9 @@ class RewardPool:
             if rest:
                 queue.appendleft(Job(job.key, job.fn_bytes, job.kwargs, False, rest))
 
+        for w in list(self._workers):  # notice workers that became ready (or died) since the last call
+            if not w.ready:
+                self._drain(w, out, fail_current, timeout_s)
         while queue or any(w.job is not None for w in self._workers):
             for w in list(self._workers):
                 if w.ready and w.job is None and queue:

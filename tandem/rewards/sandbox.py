@@ -11,9 +11,12 @@ What confines the program, on Linux (each step is best effort; `SandboxResult.is
   remounted read-only and a small private tmpfs mounted on /tmp as the working directory, so the program can write
   nowhere else; then it drops to a fresh random uid/gid with no groups and `no_new_privs`, so it cannot signal
   the trainer, read `/proc/<trainer>/environ`, or share a process-count budget with anything else;
-- not root: it tries the same namespaces inside a new user namespace (when the kernel allows unprivileged user
-  namespaces); failing that it runs as the calling user in a private temporary directory, and RLIMIT_NPROC (which
-  counts all of that user's processes) is set to the user's current count plus the limit, so it still bounds a fork bomb.
+- not root: the same inside a new user namespace that maps only the caller's own ids (when the kernel allows
+  unprivileged user namespaces), plus a pid namespace and a fresh /proc, since the program keeps the trainer's uid:
+  it can then neither see nor signal the trainer nor read its /proc/<pid>/environ. RLIMIT_NPROC counts all of the
+  user's processes, so it is set to the user's current count plus the limit. Without user namespaces it runs as
+  the calling user in a private temporary directory: rlimits, session and scrubbed environment only (`isolation`
+  reports net=0 fs=0 uid=0; the network test then skips).
 
 The parent enforces wall time, then kills the process group and sweeps every process left with the sandbox uid (a
 program may `setsid()` out of its group). The interpreter's standard library must be world-readable, since modules
@@ -43,7 +46,7 @@ cfg = {"src": a[0], "workdir": a[1], "uid": None if a[2] == "-" else int(a[2]), 
        "fsize": int(a[5]), "nofile": int(a[6]), "nproc": int(a[7]), "tmpfs_mb": int(a[8]), "isolate": a[9] == "1"}
 with open(cfg["src"], encoding="utf-8") as f:
     src = f.read()
-done = {"net": 0, "fs": 0, "uid": 0}
+done = {"net": 0, "fs": 0, "uid": 0, "pid": 0}
 try:
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
@@ -53,13 +56,35 @@ except Exception:
 def unshare(flags):
     return libc is not None and libc.unshare(flags) == 0
 
-NEWNS, NEWNET, NEWUSER = 0x00020000, 0x40000000, 0x10000000
-ns = False
+NEWNS, NEWNET, NEWUSER, NEWPID = 0x00020000, 0x40000000, 0x10000000, 0x20000000
+ns = pidns = False
 if cfg["isolate"]:
     if os.geteuid() == 0:
         ns = unshare(NEWNS | NEWNET)
     else:
-        ns = unshare(NEWUSER | NEWNS | NEWNET)
+        # Not root: a user namespace, mapping only our own ids, makes the rest possible. Same uid as the trainer,
+        # so also a pid namespace (and below a fresh /proc): it can neither see nor signal the trainer.
+        uid0, gid0 = os.geteuid(), os.getegid()
+        ns = unshare(NEWUSER | NEWNS | NEWNET | NEWPID)
+        if ns:
+            try:
+                for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid0} {uid0} 1"),
+                                   ("/proc/self/gid_map", f"{gid0} {gid0} 1")):
+                    with open(path, "w") as f:
+                        f.write(text)
+            except OSError:
+                pass
+            child = os.fork()  # the child is pid 1 of the new namespace; when it dies, all it started dies
+            if child:
+                while True:
+                    try:
+                        status = os.waitpid(child, 0)[1]
+                        break
+                    except InterruptedError:
+                        continue
+                os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+            pidns = done["pid"] = True
+            libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the waiting parent (killed on wall timeout)
     done["net"] = int(ns)
 
 def remount_readonly():
@@ -83,6 +108,8 @@ workdir = cfg["workdir"]
 if ns:
     MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 16384, 1 << 18, 2, 4
     if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0 and remount_readonly():
+        if pidns:  # a /proc of the new pid namespace: the trainer's /proc/<pid>/environ is not there
+            libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | 8, None)
         owner = uid if (uid is not None and os.geteuid() == 0) else os.geteuid()
         opts = f"size={cfg['tmpfs_mb']}m,nr_inodes=4096,mode=0700,uid={owner},gid={owner}".encode()
         if libc.mount(b"tandem-sandbox", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0:
@@ -109,7 +136,7 @@ if uid is not None and os.geteuid() == 0:
 if libc is not None:
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
     libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL: die with whoever launched us
-os.write(2, ("\x00tandem-sandbox net=%d fs=%d uid=%d\n" % (done["net"], done["fs"], done["uid"])).encode())
+os.write(2, ("\x00tandem-sandbox net=%d fs=%d uid=%d pid=%d\n" % (done["net"], done["fs"], done["uid"], done["pid"])).encode())
 sys.argv = ["solution.py"]
 g = {"__name__": "__main__", "__builtins__": __builtins__}
 del os, resource, R, cfg, limits, libc, a
@@ -139,7 +166,8 @@ class SandboxResult:
     timed_out: bool  # hit the wall-time limit
     wall_s: float
     uid: int | None  # the uid it ran as, when it dropped privileges
-    isolation: dict[str, int] = field(default_factory=dict)  # net, fs, uid: 1 where that confinement held
+    # net: no network; fs: writes only to a private tmpfs; uid: ran as its own uid; pid: in its own pid namespace
+    isolation: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -260,7 +288,7 @@ _ISOLATION: dict[str, int] | None = None
 
 
 def isolation() -> dict[str, int]:
-    """Which confinements hold on this machine (`net`, `fs`, `uid`: 1 or 0), probed once with an empty program."""
+    """Which confinements hold on this machine (`net`, `fs`, `uid`, `pid`: 1 or 0), probed once with an empty program."""
     global _ISOLATION
     if _ISOLATION is None:
         _ISOLATION = dict(run_python("pass").isolation)

@@ -105,7 +105,13 @@ def test_allocating_10_gb_fails_inside_the_sandbox():
     assert score("b = bytearray(10 * 1024**3)\nprint('ok')", [{"stdin": "", "stdout": "ok"}]) == 0.0
 
 
+def _needs(*any_of: str) -> None:
+    if not any(isolation().get(k) for k in any_of):
+        pytest.skip(f"this machine allows none of {any_of} (see tandem.rewards.sandbox): the sandbox degrades here")
+
+
 def test_cannot_write_outside_its_directory(tmp_path):
+    _needs("fs")
     os.chmod(tmp_path, 0o777)  # even a world-writable directory of the trainer's is out of reach
     sentinel = tmp_path / "sentinel.txt"
     sentinel.write_text("intact")
@@ -127,13 +133,12 @@ def test_cannot_write_outside_its_directory(tmp_path):
 
 
 def test_cannot_read_the_parents_environment(monkeypatch):
+    _needs("uid", "pid")
     secret = "s3cr3t-" + secrets.token_hex(8)
     monkeypatch.setenv("TANDEM_TEST_SECRET", secret)  # in our os.environ, which the sandbox must not inherit
     # /proc/<pid>/environ shows a process's environment as it was at exec, so a trainer-like process started with
     # the secret is what the sandbox would find there if it could read other processes' memory.
     canary = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ))
-    request = monkeypatch  # keep the canary's lifetime tied to this test
-    request.setattr(sys, "_tandem_canary", canary, raising=False)
     prog = ("import os, glob\nfound = [v for v in os.environ.values() if v.startswith('s3cr3t-')]\n"
             "for p in [f'/proc/{os.getppid()}/environ', '/proc/1/environ'] + glob.glob('/proc/*/environ'):\n"
             "    try:\n        found += [x.split('=', 1)[1] for x in open(p, 'rb').read().decode(errors='replace')"
@@ -149,8 +154,7 @@ def test_cannot_read_the_parents_environment(monkeypatch):
 
 
 def test_cannot_open_a_network_connection():
-    if not isolation().get("net"):
-        pytest.skip("no network namespace on this machine: the sandbox cannot block loopback here")
+    _needs("net")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -176,12 +180,13 @@ def test_huge_output_is_capped():
 
 
 def test_cannot_kill_its_parent_or_other_processes():
+    _needs("uid", "pid")
     canary = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         prog = (f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, {canary.pid}):\n"
                 f"    for f in (lambda: os.kill(pid, 9), lambda: os.killpg(os.getpgid(pid), 9)):\n"
                 f"        try:\n            f()\n        except OSError:\n            pass\n")
-        if isolation().get("uid"):  # only when it runs as its own uid may it try to kill every process it can
+        if isolation().get("uid") or isolation().get("pid"):  # then kill(-1) can reach only its own processes
             prog += "try:\n    os.kill(-1, 9)\nexcept OSError:\n    pass\n"
         prog += "print('done')"
         r = run_python(prog)

@@ -1,0 +1,770 @@
+"""vLLM rollout engines: in-process (`VLLMEngine`) and HTTP server (`VLLMServerEngine`), with live weight updates."""
+from __future__ import annotations
+
+import base64
+import difflib
+import json
+import logging
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from tandem.rollout.base import Completion, Sampling
+from tandem.rollout.vllm_worker import encode_weights
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "tandem.rollout.vllm_worker.TandemWorkerExtension"
+_LIVE_ENGINES = 0  # in-process engines not yet closed
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------------------- process hygiene
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _ProcessSnapshot:
+    """What importing and starting vLLM changes in the host process, so it can be put back.
+
+    vLLM's CPU worker replaces `torch.set_num_threads` with a no-op, sets LD_PRELOAD (and other variables) for
+    processes it might spawn, and reseeds the global RNGs. The trainer shares this process, so all of that is
+    undone; variables in vLLM's own `VLLM_` namespace are left, since vLLM reads them again later.
+    """
+
+    def __init__(self) -> None:
+        self.threads = torch.get_num_threads()
+        self.env = dict(os.environ)
+        self.rng = _rng_state()
+
+    def restore(self, rng: bool = True) -> None:
+        torch.set_num_threads = torch._C.set_num_threads  # the original; vLLM's CPU worker swaps in a no-op
+        if torch.get_num_threads() != self.threads:
+            torch._C.set_num_threads(self.threads)
+        for key in set(os.environ) | set(self.env):
+            if key.startswith("VLLM_"):
+                continue
+            if key not in self.env:
+                os.environ.pop(key, None)
+            elif os.environ.get(key) != self.env[key]:
+                os.environ[key] = self.env[key]
+        if rng:
+            _set_rng_state(self.rng)
+
+
+def import_vllm() -> Any:
+    """Import vLLM for in-process use and undo what the import changes in this process."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    snap = _ProcessSnapshot()
+    try:
+        import vllm
+    finally:
+        snap.restore()
+    return vllm
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+# ------------------------------------------------------------------------------------------ weights: the checkpoint
+
+
+class _Checkpoint:
+    """Names, shapes and fusion groups of the model's checkpoint tensors: what a weight update is checked against."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype) -> None:
+        from safetensors import safe_open
+
+        self.path = model_path
+        self.dtype = dtype
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{model_path}: no *.safetensors files; save the model with save_pretrained first")
+        self.files = files
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    self.shapes[name] = tuple(fh.get_slice(name).get_shape())
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        text = config.get("text_config", config)
+        self.tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        self.vocab_size = int(text.get("vocab_size", 0))
+        self.embed_name = next((n for n in self.shapes if n.endswith("embed_tokens.weight")), None)
+        if self.tied and self.embed_name and "lm_head.weight" not in self.shapes:
+            # A tied checkpoint omits lm_head, but a trainer's state_dict still lists it.
+            self.shapes["lm_head.weight"] = self.shapes[self.embed_name]
+        self.groups: dict[str, str] = {name: name.rpartition(".")[0] for name in self.shapes}
+
+    def set_packed(self, packed: dict[str, list[str]]) -> None:
+        """Map each checkpoint tensor to the vLLM module it loads into (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+        part_to_packed = {part: fused for fused, parts in packed.items() for part in parts}
+        for name in self.shapes:
+            module = name.rpartition(".")[0]
+            parent, _, leaf = module.rpartition(".")
+            self.groups[name] = f"{parent}.{part_to_packed[leaf]}" if leaf in part_to_packed else module
+
+    def members(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for name, group in self.groups.items():
+            if self.tied and name == "lm_head.weight":
+                continue
+            out.setdefault(group, []).append(name)
+        return out
+
+    def load(self, names: set[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out: dict[str, torch.Tensor] = {}
+        for f in self.files:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    if name in names:
+                        out[name] = fh.get_tensor(name).to(self.dtype).contiguous()
+        return out
+
+    def validate(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Check every name and shape before anything reaches the engine; returns {checkpoint name: tensor}."""
+        staged: dict[str, torch.Tensor] = {}
+        for item in named_tensors:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise ValueError(f"load_weights expects (name, tensor) pairs, got {type(item).__name__}")
+            name, tensor = item
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"load_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            expected = self.shapes.get(name)
+            if expected is None:
+                close = difflib.get_close_matches(str(name), list(self.shapes), n=3)
+                hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+                raise ValueError(
+                    f"load_weights: unknown parameter {name!r}: the model at {self.path} has no such Hugging Face "
+                    f"parameter{hint}"
+                )
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
+                )
+            if not tensor.is_floating_point():
+                raise ValueError(f"load_weights: {name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
+            if name in staged:
+                raise ValueError(f"load_weights: {name!r} given twice")
+            staged[name] = tensor.detach()
+        if self.tied and "lm_head.weight" in staged:
+            # One tensor in a tied model: lm_head stands for the embedding unless the embedding came too.
+            head = staged.pop("lm_head.weight")
+            if self.embed_name is not None and self.embed_name not in staged:
+                staged[self.embed_name] = head
+        return staged
+
+
+def _buckets(items: list[list[tuple[str, torch.Tensor]]], limit: int, dtype: torch.dtype) -> Iterator[list]:
+    """Pack groups (lists of tensors that must travel together) into buckets of at most `limit` bytes.
+
+    A single group larger than the limit forms a bucket of its own.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    item_size = torch.empty((), dtype=dtype).element_size()
+    for group in items:
+        gsize = sum(t.numel() for _, t in group) * item_size
+        if bucket and size + gsize > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.extend(group)
+        size += gsize
+    if bucket:
+        yield bucket
+
+
+# -------------------------------------------------------------------------------------------------- sampling
+
+
+def _sampling_kwargs(sampling: Sampling, n: int, seed: int | None) -> dict[str, Any]:
+    return dict(
+        n=n,
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p),
+        top_k=int(sampling.top_k) if sampling.top_k > 0 else 0,
+        max_tokens=int(sampling.max_new_tokens),
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        ignore_eos=bool(sampling.ignore_eos),
+        seed=seed,
+        logprobs=0,  # the sampled token's logprob only
+        include_stop_str_in_output=True,  # the text ends after the stop string, like the token ids
+        skip_special_tokens=True,
+    )
+
+
+def _requests(prompts: list[list[int]], sampling: Sampling) -> list[tuple[int, list[int], int, int | None]]:
+    """(prompt index, ids, n, seed) per engine request. vLLM refuses n > 1 when greedy, so greedy repeats prompts."""
+    if sampling.n < 1:
+        raise ValueError(f"Sampling.n must be >= 1, got {sampling.n}")
+    greedy = sampling.temperature == 0
+    out = []
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        # Distinct per-prompt seeds; vLLM gives the j-th sample of a request seed + j.
+        seed = None if sampling.seed is None else int(sampling.seed) + i * sampling.n
+        if greedy:
+            out.extend((i, list(ids), 1, seed) for _ in range(sampling.n))
+        else:
+            out.append((i, list(ids), sampling.n, seed))
+    return out
+
+
+def _finish(reason: str | None, where: str) -> str:
+    if reason in ("stop", "length"):
+        return reason
+    raise RuntimeError(f"vLLM ended {where} with finish_reason={reason!r}")
+
+
+# ----------------------------------------------------------------------------------------------- in-process
+
+
+class VLLMEngine:
+    """vLLM in this process: token-id prompts in, token ids and sampler logprobs out, weights updated in place.
+
+    The sampler logprob is log_softmax(logits / T) of the sampled token before top-k/top-p truncation (greedy:
+    T = 1), the convention of `tandem.rollout.base.Sampling`. vLLM's default (`raw_logprobs`) ignores the
+    temperature, so the engine runs with `logprobs_mode="processed_logprobs"` and a worker hook that takes the
+    log-softmax before truncation.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        sync_bucket_mb: int = 64,
+        enable_sleep: bool = True,
+        enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        sleep_level: int = 1,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        snap = _ProcessSnapshot()
+        vllm = import_vllm()
+        self.model_path = str(model_path)
+        self.dtype = _DTYPES[dtype]
+        self.on_cpu = _on_cpu()
+        self.sync_bucket_bytes = int(sync_bucket_mb) << 20
+        self.sleep_level = sleep_level
+        self.sleep_supported = False
+        self.checkpoint = _Checkpoint(self.model_path, self.dtype)
+        if self.on_cpu and kv_cache_bytes is None:
+            # Without a budget vLLM-CPU reserves most of the machine's RAM for its KV cache.
+            kv_cache_bytes = 1 << 30
+        if self.on_cpu:
+            from vllm.platforms import current_platform
+
+            enable_sleep = enable_sleep and current_platform.is_sleep_mode_available()
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=self.on_cpu,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_sleep_mode=enable_sleep,
+            tensor_parallel_size=tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        if kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        if max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        kwargs.update(engine_kwargs or {})
+        self._enable_sleep = bool(enable_sleep)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+            # vLLM seeded the global RNGs for its sampler; keep that stream for vLLM and give the trainer its own.
+            self._engine_rng = _rng_state()
+        finally:
+            snap.restore()
+        global _LIVE_ENGINES
+        _LIVE_ENGINES += 1
+        self.sleep_supported = self._enable_sleep
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        # A process boundary (TP > 1, or multiprocessing on) cannot carry tensors: send safetensors bytes then.
+        self._serialize = tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+        self.sync_path = "reload" if self.on_cpu else "load_weights"
+        self.checkpoint.set_packed(self.llm.collective_rpc("tandem_packed_modules")[0])
+        self.pre_truncation_logprobs = all(self.llm.collective_rpc("tandem_pre_truncation_logprobs"))
+        if not self.pre_truncation_logprobs:
+            log.warning("vLLM sampler not patched: logprobs under top-k/top-p are post-truncation")
+        # The reload path rebuilds whole vLLM modules, so tensors of a fused module that an update leaves out are
+        # resent from this copy of what the engine holds (only modules with more than one checkpoint tensor).
+        self._shadow: dict[str, torch.Tensor] = {}
+        if self.sync_path == "reload":
+            multi = {n for names in self.checkpoint.members().values() if len(names) > 1 for n in names}
+            self._shadow = self.checkpoint.load(multi)
+        self.asleep = False
+        self.closed = False
+        self._warned_sleep = False
+        self.last_sync_seconds = 0.0
+        self.last_sync_bytes = 0
+        self.last_sync_tensors = 0
+        self.last_sync_buckets = 0
+
+    # ------------------------------------------------------------------------------------------------ generate
+
+    @contextmanager
+    def _engine_context(self) -> Iterator[None]:
+        """Run vLLM on its own RNG stream and give the caller back its own, with its thread count."""
+        threads = torch.get_num_threads()
+        outer = _rng_state()
+        _set_rng_state(self._engine_rng)
+        try:
+            yield
+        finally:
+            self._engine_rng = _rng_state()
+            _set_rng_state(outer)
+            torch.set_num_threads = torch._C.set_num_threads
+            if torch.get_num_threads() != threads:
+                torch._C.set_num_threads(threads)
+
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise RuntimeError("VLLMEngine is closed")
+        if self.asleep:
+            raise RuntimeError("VLLMEngine is asleep; call wake() first")
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_usable()
+        reqs = _requests(prompts, sampling)
+        for i, ids, _, _ in reqs:
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        if not reqs:
+            return []
+        inputs = [TokensPrompt(prompt_token_ids=ids) for _, ids, _, _ in reqs]
+        params = [SamplingParams(**_sampling_kwargs(sampling, n, seed)) for _, _, n, seed in reqs]
+        with self._engine_context():
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        completions: list[Completion] = []
+        for (i, ids, _, _), out in zip(reqs, outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(toks)] if toks else []
+                completions.append(Completion(
+                    prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c.text,
+                    finish_reason=_finish(c.finish_reason, f"prompt {i}"), prompt_index=i,
+                    meta={"stop_reason": c.stop_reason, "cached_prompt_tokens": out.num_cached_tokens or 0},
+                ))
+        return completions
+
+    # ------------------------------------------------------------------------------------------------- weights
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace weights in buckets of at most `sync_bucket_mb`, then drop the prefix cache (stale KV).
+
+        Every name and shape is checked first: a bad one raises ValueError and the engine keeps its weights.
+        """
+        self._check_usable()
+        t0 = time.perf_counter()
+        staged = self.checkpoint.validate(named_tensors)
+        groups = self._groups(staged)
+        sent = tensors = buckets = 0
+        for bucket in _buckets(groups, self.sync_bucket_bytes, self.dtype):
+            converted = [(n, t.to(self.dtype).contiguous()) for n, t in bucket]
+            payload: Any = encode_weights(converted) if self._serialize else converted
+            with self._engine_context():
+                self.llm.collective_rpc("tandem_load_weights", args=(payload, self.sync_path))
+            for n, t in converted:
+                if n in self._shadow:
+                    self._shadow[n].copy_(t.to(self._shadow[n].device))
+            sent += sum(t.numel() * t.element_size() for _, t in converted)
+            tensors += len(converted)
+            buckets += 1
+        if buckets:
+            self.llm.reset_prefix_cache()
+        self.last_sync_seconds = time.perf_counter() - t0
+        self.last_sync_bytes = sent
+        self.last_sync_tensors = tensors
+        self.last_sync_buckets = buckets
+
+    def _groups(self, staged: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+        """Tensors that must reach the engine in one call, in checkpoint order."""
+        if self.sync_path != "reload":
+            return [[(n, t)] for n, t in staged.items()]
+        out = []
+        for names in self.checkpoint.members().values():
+            if any(n in staged for n in names):
+                out.append([(n, staged[n] if n in staged else self._shadow[n]) for n in names])
+        return out
+
+    # ------------------------------------------------------------------------------------------- sleep / wake
+
+    def _free_bytes(self) -> int:
+        return int(sum(self.llm.collective_rpc("tandem_device_free_bytes")))
+
+    def sleep(self) -> int:
+        """Release weights and KV cache (vLLM sleep mode, level 1 or 2); 0 where the platform has no sleep mode.
+
+        After level 2 the weights are gone: load_weights() after wake() before generating again.
+        """
+        if self.closed or self.asleep:
+            return 0
+        if not self.sleep_supported:
+            if not self._warned_sleep:
+                log.warning("vLLM sleep mode is not available here (%s); sleep()/wake() free nothing",
+                            "CPU" if self.on_cpu else "enable_sleep=False")
+                self._warned_sleep = True
+            return 0
+        before = self._free_bytes()
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = True
+        return max(0, self._free_bytes() - before)
+
+    def wake(self) -> int:
+        if self.closed or not self.asleep:
+            return 0
+        before = self._free_bytes()
+        self.llm.wake_up()
+        self.asleep = False
+        self.llm.reset_prefix_cache()
+        return max(0, before - self._free_bytes())
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        global _LIVE_ENGINES
+        _LIVE_ENGINES -= 1
+        snap = _ProcessSnapshot()
+        try:
+            # vLLM's engine shutdown (also run by a finalizer when the engine is collected) tears down its
+            # per-process distributed state, which the other engines in this process still use: only the last
+            # engine shuts down in full; the others stop their executor and scheduler only.
+            client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+            if client is not None and _LIVE_ENGINES == 0:
+                client.shutdown()
+            elif client is not None:
+                finalizer = getattr(client, "_finalizer", None)
+                if finalizer is not None:
+                    finalizer.detach()
+                core = getattr(client, "engine_core", None)
+                for part in ("model_executor", "scheduler"):
+                    obj = getattr(core, part, None)
+                    if obj is not None and hasattr(obj, "shutdown"):
+                        obj.shutdown()
+        finally:
+            del self.llm
+            self._shadow.clear()
+            if _LIVE_ENGINES == 0:
+                _release_vllm_globals()
+            snap.restore(rng=False)
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _release_vllm_globals() -> None:
+    """Tear down the process group vLLM made in this process, so another engine (or the trainer) can make one."""
+    import gc
+
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception as exc:  # a partial teardown must not hide the caller's own error
+        log.warning("vLLM teardown: %s", exc)
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------- server mode
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _check_loopback(url: str) -> None:
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname or ""
+    if not (host == "localhost" or host.startswith("127.") or host == "::1"):
+        raise ValueError(f"base_url {url!r} is not a loopback address; tandem only talks to 127.0.0.0/8 here")
+
+
+class VLLMServerEngine:
+    """A vLLM OpenAI-compatible server as a rollout engine: started here (loopback only) or attached by URL.
+
+    Generation goes through /v1/completions with token-id prompts; weight updates through the dev-mode
+    /collective_rpc endpoint into `TandemWorkerExtension`, as base64 safetensors buckets. A server started here
+    gets VLLM_SERVER_DEV_MODE=1 and the extension; an attached one must have been started the same way.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        base_url: str | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        sync_bucket_mb: int = 64,
+        enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        enable_sleep: bool = True,
+        python: str = sys.executable,
+        device: str = "auto",
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 3600.0,
+        extra_args: list[str] | None = None,
+        log_path: str | None = None,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.model_path = str(model_path)
+        self.dtype = _DTYPES[dtype]
+        self.checkpoint = _Checkpoint(self.model_path, self.dtype)
+        self.sync_bucket_bytes = int(sync_bucket_mb) << 20
+        self.request_timeout_s = request_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+        self.closed = False
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        if base_url is None:
+            port = _free_port()
+            base_url = f"http://127.0.0.1:{port}"
+            cmd = [
+                python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
+                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tandem",
+                "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
+                "--worker-extension-cls", WORKER_EXTENSION, "--tensor-parallel-size", str(tensor_parallel_size),
+                "--gpu-memory-utilization", str(gpu_memory_utilization),
+            ]
+            cmd.append("--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching")
+            if max_model_len is not None:
+                cmd += ["--max-model-len", str(max_model_len)]
+            if on_cpu:
+                cmd.append("--enforce-eager")
+                kv_cache_bytes = kv_cache_bytes or (1 << 30)
+            elif enable_sleep:
+                cmd.append("--enable-sleep-mode")
+            if kv_cache_bytes is not None:
+                cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_bytes))]
+            cmd += list(extra_args or [])
+            env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server is its own process: let it choose
+            self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+            self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        _check_loopback(base_url)
+        self.base_url = base_url.rstrip("/")
+        try:
+            self._wait_ready(startup_timeout_s)
+            self.model_name = self._get("/v1/models")["data"][0]["id"]
+            self.checkpoint.set_packed(self._rpc("tandem_packed_modules")[0])
+            self.pre_truncation_logprobs = all(self._rpc("tandem_pre_truncation_logprobs"))
+        except BaseException:
+            self.close()
+            raise
+        self.on_cpu = on_cpu
+        self.sync_path = "reload" if on_cpu else "load_weights"
+        self._shadow: dict[str, torch.Tensor] = {}
+        if self.sync_path == "reload":
+            multi = {n for names in self.checkpoint.members().values() if len(names) > 1 for n in names}
+            self._shadow = self.checkpoint.load(multi)
+        self.last_sync_seconds = 0.0
+        self.last_sync_bytes = 0
+        self.last_sync_tensors = 0
+        self.last_sync_buckets = 0
+        self._warned_sleep = False
+
+    # ---- HTTP
+
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"vLLM server {method} {path}: HTTP {exc.code}: {exc.read()[:2000]!r}") from None
+        return json.loads(raw) if raw else None
+
+    def _get(self, path: str) -> Any:
+        return self._request("GET", path)
+
+    def _post(self, path: str, body: Any = None) -> Any:
+        return self._request("POST", path, body if body is not None else {})
+
+    def _rpc(self, method: str, *args: str) -> list[Any]:
+        out = self._post("/collective_rpc", {"method": method, "args": list(args)})
+        return list((out or {}).get("results", []))
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} during startup")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM server at {self.base_url} not healthy after {timeout_s:.0f} s")
+
+    # ---- protocol
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        reqs = _requests(prompts, sampling)
+        completions: list[Completion] = []
+        # One HTTP request per distinct (n, seed); the server batches the prompts of each request itself.
+        batches: dict[tuple[int, int | None], list[tuple[int, list[int]]]] = {}
+        if sampling.seed is None:
+            for i, ids, n, _ in reqs:
+                batches.setdefault((n, None), []).append((i, ids))
+        results: dict[int, list[Completion]] = {}
+        plan = list(batches.items()) if sampling.seed is None else [((n, s), [(i, ids)]) for i, ids, n, s in reqs]
+
+        def run(key: tuple[int, int | None], items: list[tuple[int, list[int]]]) -> tuple[Any, list]:
+            n, seed = key
+            kw = _sampling_kwargs(sampling, n, seed)
+            body = {
+                "model": self.model_name, "prompt": [ids for _, ids in items], "n": n,
+                "temperature": kw["temperature"], "top_p": kw["top_p"], "top_k": kw["top_k"],
+                "max_tokens": kw["max_tokens"], "stop": kw["stop"], "stop_token_ids": kw["stop_token_ids"],
+                "ignore_eos": kw["ignore_eos"], "seed": seed, "logprobs": 0, "return_token_ids": True,
+                "include_stop_str_in_output": True, "skip_special_tokens": True,
+            }
+            return self._post("/v1/completions", body), items
+
+        # Requests run concurrently so that the server batches them (one per prompt when seeded).
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(plan)))) as pool:
+            answers = list(pool.map(lambda kv: run(*kv), plan))
+        for ((n, _), _), (out, items) in zip(plan, answers):
+            for c in sorted(out["choices"], key=lambda c: c["index"]):
+                k, _ = divmod(c["index"], n)
+                i, ids = items[k]
+                toks = [int(t) for t in c["token_ids"]]
+                lps = [float(x) for x in c["logprobs"]["token_logprobs"]] if toks else []
+                results.setdefault(i, []).append(Completion(
+                    prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c["text"],
+                    finish_reason=_finish(c.get("finish_reason"), f"prompt {i}"), prompt_index=i,
+                    meta={"stop_reason": c.get("stop_reason")},
+                ))
+        for i in range(len(prompts)):
+            completions.extend(results.get(i, []))
+        return completions
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As VLLMEngine.load_weights, over HTTP: buckets travel as base64 safetensors through /collective_rpc."""
+        t0 = time.perf_counter()
+        staged = self.checkpoint.validate(named_tensors)
+        groups = VLLMEngine._groups(self, staged)  # type: ignore[arg-type]
+        sent = tensors = buckets = 0
+        for bucket in _buckets(groups, self.sync_bucket_bytes, self.dtype):
+            converted = [(n, t.to(self.dtype).contiguous()) for n, t in bucket]
+            self._rpc("tandem_load_weights", base64.b64encode(encode_weights(converted)).decode(), self.sync_path)
+            for n, t in converted:
+                if n in self._shadow:
+                    self._shadow[n].copy_(t.to(self._shadow[n].device))
+            sent += sum(t.numel() * t.element_size() for _, t in converted)
+            tensors += len(converted)
+            buckets += 1
+        if buckets:
+            self._post("/reset_prefix_cache")
+        self.last_sync_seconds = time.perf_counter() - t0
+        self.last_sync_bytes = sent
+        self.last_sync_tensors = tensors
+        self.last_sync_buckets = buckets
+
+    def sleep(self) -> int:
+        if self.on_cpu:
+            if not self._warned_sleep:
+                log.warning("vLLM sleep mode is not available on CPU; sleep()/wake() free nothing")
+                self._warned_sleep = True
+            return 0
+        before = sum(int(x) for x in self._rpc("tandem_device_free_bytes"))
+        self._request("POST", "/sleep?level=1")
+        return max(0, sum(int(x) for x in self._rpc("tandem_device_free_bytes")) - before)
+
+    def wake(self) -> int:
+        if self.on_cpu:
+            return 0
+        before = sum(int(x) for x in self._rpc("tandem_device_free_bytes"))
+        self._request("POST", "/wake_up")
+        self._post("/reset_prefix_cache")
+        return max(0, before - sum(int(x) for x in self._rpc("tandem_device_free_bytes")))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+
+    def __enter__(self) -> "VLLMServerEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,128 @@
+"""Bad input is refused early with a message that names what is wrong and how to fix it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.config import ConfigError, load_config
+from tandem.data.sources import GSM8K_INSTRUCTION, DataError, gsm8k_final_answer, load_task_rows, read_rows, render_prompt
+from tandem.modeling import ModelFolderError, check_model_folder, load_tokenizer
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("algo:\n  kl_coef: 0.02\nrollout:\n  temperature: 0.9\n")
+    cfg = load_config(p, ["algo.kl_coef=0.01", "rollout.stop=['</answer>']", "run.name=x"])
+    assert cfg.algo.kl_coef == 0.01 and cfg.rollout.temperature == 0.9
+    assert cfg.rollout.stop == ["</answer>"] and cfg.run.name == "x"
+
+
+def test_unknown_key_suggests_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"algo\.kl_coeff: unknown key; did you mean 'kl_coef'"):
+        load_config(None, ["algo.kl_coeff=0.1"])
+    p = tmp_path / "run.yaml"
+    p.write_text("rolout:\n  temperature: 1.0\n")
+    with pytest.raises(ConfigError, match=r"rolout: unknown key; did you mean 'rollout'"):
+        load_config(p)
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("algo:\n  kl_coef: 0.1\n  mu: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_bad_value_names_field_and_value():
+    with pytest.raises(ConfigError, match=r"rollout\.temperature: .*got 'hot'"):
+        load_config(None, ["rollout.temperature=hot"])
+    with pytest.raises(ConfigError, match=r"batch\.group_size: .*greater than or equal to 1.*got 0"):
+        load_config(None, ["batch.group_size=0"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["batch.prompts_per_step=10", "batch.mini_batches=3"], r"batch\.mini_batches: 3 does not divide"),
+    (["batch.micro_batch_tokens=100", "data.max_prompt_tokens=64", "rollout.max_new_tokens=64"],
+     r"batch\.micro_batch_tokens: 100 cannot hold one sequence .* at least 128"),
+    (["batch.group_size=1"], r"batch\.group_size: 1 leaves every GRPO advantage at 0"),
+    (["algo.advantage=grpp"], r"algo\.advantage: 'grpp' is not registered; did you mean 'grpo'"),
+    (["data.task=gsm8k"], r"data\.path: empty"),
+])
+def test_impossible_arithmetic_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(ModelFolderError, match="is not a folder"):
+        check_model_folder(str(tmp_path / "nope"))
+    with pytest.raises(ModelFolderError, match="no config.json"):
+        check_model_folder(str(tmp_path))
+    with pytest.raises(ModelFolderError, match="empty"):
+        check_model_folder("")
+
+
+def test_cli_refuses_before_loading_models(tmp_path):
+    """The CLI exits 2 with the message; a missing model is found before anything loads."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model:\n  path: {tmp_path / 'no-model'}\nrun:\n  output_dir: {tmp_path / 'out'}\n")
+    r = subprocess.run([sys.executable, "-m", "tandem.cli", "train", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 2 and "model.path" in r.stderr and "is not a folder" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tandem.cli", "train", str(cfg), "algo.kl_cof=1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "did you mean 'kl_coef'" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_dataset_row_without_field_reports_its_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n\n" + json.dumps({"question": "2+2"}) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl:3 .*missing field 'answer'"):
+        read_rows(str(p), "question", "answer")
+    p.write_text('{"question": "1+1", "answer": "2"}\n{not json}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl:2: not valid JSON"):
+        read_rows(str(p), "question", "answer")
+
+
+def test_empty_dataset(tmp_path):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("\n")
+    with pytest.raises(DataError, match="is empty"):
+        read_rows(str(p), "question", "answer")
+
+
+def test_parquet_and_datasets_folder(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"q": "1+1", "a": "2"}, {"q": "2+3", "a": "5"}])
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "folder"))
+    for path in (tmp_path / "d.parquet", tmp_path / "folder"):
+        rows = load_task_rows("jsonl", str(path), "q", "a", "train")
+        assert [(r["question"], r["answer"]) for r in rows] == [("1+1", "2"), ("2+3", "5")]
+
+
+def test_chat_template_missing_is_refused(tiny_model, chat_model):
+    tok = load_tokenizer(tiny_model)
+    with pytest.raises(DataError, match="tokenizer has no chat template"):
+        render_prompt(tok, "hi", chat_template=True, system_prompt="")
+    tok = load_tokenizer(chat_model)
+    ids = render_prompt(tok, "1+1=", chat_template=True, system_prompt="be brief")
+    assert tok.decode(ids) == "<system>be brief<user>1+1=<assistant>"
+
+
+def test_gsm8k_official_files(shared_dir):
+    gsm = shared_dir / "data" / "gsm8k" / "test.jsonl"
+    if not gsm.is_file():
+        pytest.skip("shared/data/gsm8k not present")
+    rows = load_task_rows("gsm8k", str(gsm), "question", "answer", "train")
+    assert len(rows) == 1319
+    assert rows[0]["answer"] == "18" and rows[0]["question"].endswith(GSM8K_INSTRUCTION)
+    assert gsm8k_final_answer("so 1,234 apples\n#### 1,234") == "1234"
+    with pytest.raises(DataError, match="no '####'"):
+        gsm8k_final_answer("the answer is 4")

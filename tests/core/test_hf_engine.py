@@ -1,0 +1,113 @@
+"""The embedded engine: grouping, logprobs that match a fresh forward pass, stop conditions, seeds, weight loads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.modeling import load_causal_lm, load_tokenizer
+from tandem.rollout import Sampling
+from tandem.rollout.hf import HFEngine, filter_logits
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return HFEngine(str(tiny_model), seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    return [tok.encode(q) for q in ("12+34=", "7+5=", "99+99=")]
+
+
+def recompute_logprobs(model, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_groups_lengths_and_logprobs_match_a_fresh_forward(engine, prompts, tiny_model):
+    out = engine.generate(prompts, Sampling(n=4, temperature=0.7, max_new_tokens=5, ignore_eos=True, seed=3))
+    assert len(out) == 12
+    assert [c.prompt_index for c in out] == [0] * 4 + [1] * 4 + [2] * 4
+    model = load_causal_lm(tiny_model)
+    for c in out:
+        assert c.prompt_ids == prompts[c.prompt_index]
+        assert len(c.completion_ids) == len(c.logprobs) == 5 and c.finish_reason == "length"
+        ref = recompute_logprobs(model, c.prompt_ids, c.completion_ids, 0.7)
+        # left padding and the KV cache must not change the numbers (fp32): measured ~1e-6
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
+
+
+def test_seed_reproduces_and_differs(engine, prompts):
+    s = Sampling(n=3, temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=11)
+    a = [c.completion_ids for c in engine.generate(prompts, s)]
+    b = [c.completion_ids for c in engine.generate(prompts, s)]
+    c = [c.completion_ids for c in engine.generate(prompts, Sampling(**{**s.__dict__, "seed": 12}))]
+    assert a == b
+    assert a != c
+
+
+def test_greedy_equals_top_k_1(engine, prompts):
+    g = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_new_tokens=5, ignore_eos=True))
+    k = engine.generate(prompts, Sampling(n=2, temperature=1.0, top_k=1, max_new_tokens=5, ignore_eos=True, seed=5))
+    for i, c in enumerate(g):
+        assert k[2 * i].completion_ids == c.completion_ids == k[2 * i + 1].completion_ids
+
+
+def test_stop_token_and_stop_string(engine, prompts, tiny_model):
+    base = engine.generate(prompts[:1], Sampling(n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True))[0]
+    stop_tok = base.completion_ids[2]
+    first = base.completion_ids.index(stop_tok)
+    out = engine.generate(prompts[:1], Sampling(n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True,
+                                                stop_token_ids=(stop_tok,)))[0]
+    assert out.completion_ids == base.completion_ids[: first + 1] and out.finish_reason == "stop"
+    tok = load_tokenizer(tiny_model)
+    piece = tok.decode(base.completion_ids[first:first + 1])
+    out = engine.generate(prompts[:1], Sampling(n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True,
+                                                stop=(piece,)))[0]
+    assert out.finish_reason == "stop" and out.text.endswith(piece)
+    assert out.text == tok.decode(base.completion_ids)[: out.text.find(piece) + len(piece)]
+
+
+def test_eos_ends_completion(engine, prompts):
+    eos = engine.eos_ids[0]
+    # bias the LM head toward EOS so every row stops at once
+    head = engine.model.get_output_embeddings().weight
+    saved = head[eos].clone()
+    head.data[eos] = 50 * engine.model.model.norm.weight.sign()
+    try:
+        out = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_new_tokens=8, seed=0))
+    finally:
+        head.data[eos] = saved
+    assert all(c.completion_ids[-1] == eos and c.finish_reason == "stop" for c in out)
+    assert all(len(c.completion_ids) < 8 for c in out)
+
+
+def test_filter_logits_top_p_keeps_smallest_set():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, 0, 0.8))
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(filter_logits(logits, 0, 0.81))
+    assert kept.tolist() == [[True, True, True, False]]
+    assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [[True, True, False, False]]
+
+
+def test_load_weights_refuses_bad_names_and_shapes_without_changing_anything(engine):
+    name, p = next(iter(engine.model.named_parameters()))
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="unknown parameter 'nope'"):
+        engine.load_weights([(name, before + 1), ("nope", before)])
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([(name, before[:1])])
+    assert torch.equal(p, before)
+    engine.load_weights([(name, before + 1)])
+    assert torch.equal(p, before + 1) and engine.last_sync_bytes == before.numel() * 4
+    engine.load_weights([(name, before)])
+
+
+def test_empty_prompt_is_refused(engine):
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([[]], Sampling())
