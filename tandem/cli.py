@@ -14,9 +14,9 @@ USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, KeyError)
 # The demo's settings over the config defaults (which already pick the arithmetic task); a preset YAML given to
 # `tandem demo --config` and command-line overrides go on top.
 DEMO_DEFAULTS = [
-    "run.name=demo", "run.output_dir=runs/demo", "run.steps=120", "run.eval_every=20", "run.save_every=20",
+    "run.name=demo", "run.output_dir=runs/demo", "run.steps=120", "run.eval_every=20", "run.save_every=40",
     "batch.prompts_per_step=32", "batch.group_size=8", "rollout.max_new_tokens=6", "data.max_prompt_tokens=16",
-    "batch.micro_batch_tokens=4096", "optim.lr=5e-4", "data.eval_size=500",
+    "batch.micro_batch_tokens=4096", "optim.lr=2e-4", "data.eval_size=500",
 ]
 
 

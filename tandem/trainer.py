@@ -156,7 +156,9 @@ def collect(run: Run, step: int, t: Timer) -> tuple[list[Prompt], list[Completio
                 per_fn = {k: [v[i] for i in idx] for k, v in per_fn.items()}
                 break
     for name, scores in per_fn.items():
-        stats[f"reward/{name}"] = sum(scores) / len(scores)
+        t_scores = torch.tensor(scores, dtype=torch.float64)
+        stats[f"reward/{name}"] = float(t_scores.mean())
+        stats[f"reward/{name}/std"] = float(t_scores.std()) if len(scores) > 1 else 0.0
     stats["train/accuracy"] = sum(s >= 1.0 for s in per_fn[run.correct_reward]) / len(comps)
     # renumber groups 0..k-1 in order so workers see contiguous prompt groups
     remap = {g: i for i, g in enumerate(dict.fromkeys(c.prompt_index for c in comps))}

@@ -22,6 +22,16 @@ def answer(a: int, b: int) -> str:
     return str(a + b)[::-1]
 
 
+def carryless(a: int, b: int) -> str:
+    """The answer of a student who forgets to carry: each digit is (a_i + b_i) mod 10, reversed like `answer`."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    return "".join(str((int(x) + int(y)) % 10) for x, y in zip(da, db))
+
+
+def has_carry(a: int, b: int) -> bool:
+    return answer(a, b) != carryless(a, b)
+
+
 def rows(split: str, seed: int = 1234, holdout: float = 0.1) -> list[dict]:
     """All pairs of two-digit numbers, split once (fixed seed) into train and held-out `test` rows."""
     pairs = [(a, b) for a in range(LOW, HIGH + 1) for b in range(LOW, HIGH + 1)]

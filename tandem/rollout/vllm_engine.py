@@ -224,6 +224,13 @@ def _sampling_kwargs(sampling: Sampling, n: int, seed: int | None) -> dict[str, 
     )
 
 
+def _engine_only_kwargs(sampling: Sampling) -> dict[str, Any]:
+    # vLLM detokenizes every step of every sequence, and decodes the text of every logprob token, in Python:
+    # on small models that costs more than the forward pass. Only stop strings need it; otherwise the text is
+    # decoded once per completion afterwards.
+    return dict(detokenize=bool(sampling.stop), flat_logprobs=True)
+
+
 def _requests(prompts: list[list[int]], sampling: Sampling) -> list[tuple[int, list[int], int, int | None]]:
     """(prompt index, ids, n, seed) per engine request. vLLM refuses n > 1 when greedy, so greedy repeats prompts."""
     if sampling.n < 1:
@@ -385,7 +392,8 @@ class VLLMEngine:
         if not reqs:
             return []
         inputs = [TokensPrompt(prompt_token_ids=ids) for _, ids, _, _ in reqs]
-        params = [SamplingParams(**_sampling_kwargs(sampling, n, seed)) for _, _, n, seed in reqs]
+        extra = _engine_only_kwargs(sampling)
+        params = [SamplingParams(**_sampling_kwargs(sampling, n, seed), **extra) for _, _, n, seed in reqs]
         with self._engine_context():
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
         completions: list[Completion] = []
@@ -394,10 +402,14 @@ class VLLMEngine:
                 toks = list(c.token_ids)
                 lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(toks)] if toks else []
                 completions.append(Completion(
-                    prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c.text,
+                    prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c.text if extra["detokenize"] else "",
                     finish_reason=_finish(c.finish_reason, f"prompt {i}"), prompt_index=i,
                     meta={"stop_reason": c.stop_reason, "cached_prompt_tokens": out.num_cached_tokens or 0},
                 ))
+        if not extra["detokenize"]:
+            texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+            for c, text in zip(completions, texts):
+                c.text = text
         return completions
 
     # ------------------------------------------------------------------------------------------------- weights

@@ -91,23 +91,57 @@ class TandemWorkerExtension:
 
         vLLM's processed logprobs are taken after truncation (dropped tokens at -inf, the rest renormalized); the
         trainer recomputes the untruncated distribution, so under top-k/top-p they would disagree. Without
-        truncation both are equal and the sampler is left untouched. Returns False where the sampler has another
-        shape (vLLM's model runner V2), in which case logprobs under top-k/top-p stay post-truncation.
+        truncation both are equal and the sampler is left untouched. Returns False where the sampler has a shape
+        this hook does not know, in which case logprobs under top-k/top-p stay post-truncation.
         """
         sampler = getattr(getattr(self, "model_runner", None), "sampler", None)
+        if sampler is None:
+            return False
         tks = getattr(sampler, "topk_topp_sampler", None)
-        if tks is None or getattr(tks, "_tandem_patched", False):
-            return bool(tks is not None)
-        inner = tks.forward
+        if tks is not None:  # model runner V1 (CPU, and GPU with VLLM_USE_V2_MODEL_RUNNER=0)
+            return _patch_v1(tks)
+        if hasattr(sampler, "_sample_random"):  # model runner V2 (GPU default)
+            return _patch_v2(sampler)
+        return False
 
-        def forward(logits: torch.Tensor, generators, k, p):  # noqa: ANN001
-            if k is None and p is None:
-                return inner(logits, generators, k, p)
-            # Truncation works in place on `logits`, so the untruncated log-softmax must be taken first.
-            full = logits.log_softmax(dim=-1, dtype=torch.float32)
-            sampled, _ = inner(logits, generators, k, p)
-            return sampled, full
 
-        tks.forward = forward
-        tks._tandem_patched = True
+def _patch_v1(tks: Any) -> bool:
+    if getattr(tks, "_tandem_patched", False):
         return True
+    inner = tks.forward
+
+    def forward(logits: torch.Tensor, generators, k, p):  # noqa: ANN001
+        if k is None and p is None:
+            return inner(logits, generators, k, p)
+        # Truncation works in place on `logits`, so the untruncated log-softmax must be taken first.
+        full = logits.log_softmax(dim=-1, dtype=torch.float32)
+        sampled, _ = inner(logits, generators, k, p)
+        return sampled, full
+
+    tks.forward = forward
+    tks._tandem_patched = True
+    return True
+
+
+def _patch_v2(sampler: Any) -> bool:
+    """V2 returns the logits it sampled from (temperature applied, then truncated); return them untruncated."""
+    import inspect
+
+    if getattr(sampler, "_tandem_patched", False):
+        return True
+    inner = sampler._sample_random
+    signature = inspect.signature(inner)
+    if not {"processed_logits", "top_k", "top_p"} <= set(signature.parameters):
+        return False
+
+    def _sample_random(*args, **kwargs):  # noqa: ANN002, ANN003
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("top_k") is None and bound.arguments.get("top_p") is None:
+            return inner(*args, **kwargs)
+        full = bound.arguments["processed_logits"].clone()  # truncation may work in place
+        sampled, _ = inner(*args, **kwargs)
+        return sampled, full
+
+    sampler._sample_random = _sample_random
+    sampler._tandem_patched = True
+    return True

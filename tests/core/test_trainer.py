@@ -129,3 +129,26 @@ def test_broken_rewards_score_zero_are_counted_and_training_goes_on(tiny_model, 
     assert step["reward/errors/toy_rewards:not_a_number/bad_value"] == 4
     assert step["reward/toy_rewards:raises"] == 0.0 and step["reward/errors/toy_rewards:text_length"] == 0
     assert step["reward/toy_rewards:text_length"] > 0
+
+
+@pytest.mark.parametrize("extra", [
+    ("algo.dynamic_sampling=true", "algo.max_sampling_rounds=3"),
+    ("algo.overlong_buffer=2", "algo.mask_truncated=true"),
+    ("algo.kl_coef=0.1", "algo.kl_in_reward=true", "algo.kl_estimator=k2"),
+    ("algo.tis_cap=2.0", "algo.entropy_coef=0.01", "batch.mini_batches=2"),
+    ("algo.advantage=rloo", "algo.policy_loss=gspo", "algo.loss_agg=seq_mean_token_sum_norm", "algo.mu=2"),
+    ("algo.advantage=dr_grpo", "algo.policy_loss=cispo", "algo.dual_clip=3.0"),
+])
+def test_algorithm_options_train(tiny_model, tmp_path, extra):
+    out = tmp_path / "run"
+    train(small_config(tiny_model, out, "run.steps=2", *extra))
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rows[1:]:
+        assert all(not isinstance(v, str) for v in r.values()), r  # no NaN/inf (logged as strings)
+    if "algo.dynamic_sampling=true" in extra:
+        assert 1 <= rows[1]["dynamic/rounds"] <= 3 and 0 <= rows[1]["dynamic/kept_group_frac"] <= 1
+        assert rows[1]["completion/length_mean"] > 0
+    if "algo.mask_truncated=true" in extra:
+        assert rows[1]["completion/truncated_frac"] > 0  # a random model rarely stops: these got no gradient
+    if "algo.tis_cap=2.0" in extra:
+        assert rows[1]["tis_capped_frac"] == 0.0  # the embedded engine samples with the trainer's numbers
