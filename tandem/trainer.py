@@ -38,9 +38,7 @@ class Run:
 
     def close(self) -> None:
         self.group.shutdown()
-        close = getattr(self.scorer, "close", None)
-        if close:
-            close()
+        self.scorer.close()
 
 
 class Timer(defaultdict):
@@ -79,7 +77,11 @@ def prepare(cfg: Config, resume: bool = False) -> Run:
     last = checkpoint.latest(out / "checkpoints") if resume else None
     if resume and last is None:
         log.warning("--resume: no checkpoint in %s, starting from step 0", out / "checkpoints")
-    group = LocalWorkerGroup(lambda rank, size: HybridWorker(cfg, rank, size), cfg.placement.workers)
+    try:
+        group = LocalWorkerGroup(lambda rank, size: HybridWorker(cfg, rank, size), cfg.placement.workers)
+    except BaseException:
+        scorer.close()  # its worker processes started early, to warm up while the models load
+        raise
     group.call("sync_weights")
     stream = PromptStream(train, cfg.run.seed)
     start = 0
@@ -88,6 +90,9 @@ def prepare(cfg: Config, resume: bool = False) -> Run:
         group.call("load", str(last))
         stream.load_state_dict(state["data"])
         start = state["step"]
+        changed = _changed_keys(state.get("config", {}), cfg.model_dump(mode="json"))
+        if changed:
+            log.warning("resuming with a config that differs from the checkpoint's in: %s", ", ".join(changed))
         log.info("resumed from %s (step %d)", last, start)
     return Run(cfg, stream, eval_prompts, scorer, correct, group, start, resumed=last is not None)
 
@@ -259,6 +264,17 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         metrics.close()
         run.close()
     return summary
+
+
+def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed_keys(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def _progress(enabled: bool, start: int, total: int):
