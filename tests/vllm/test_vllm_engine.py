@@ -97,6 +97,11 @@ def test_completions_are_well_formed_and_match_hf(engine, hf):
         assert c.finish_reason == "length" and c.truncated
         assert all(math.isfinite(x) and x <= 0 for x in c.logprobs)
         assert isinstance(c.text, str)
+    # Text is decoded from the token ids by the model's own tokenizer (what rewards read).
+    from tandem.modeling import load_tokenizer
+
+    tok = load_tokenizer(engine.model_path)
+    assert [c.text for c in outs] == [tok.decode(c.completion_ids, skip_special_tokens=True) for c in outs]
     # A group is diverse: four samples of one prompt are not all the same.
     assert len({tuple(c.completion_ids) for c in outs[:4]}) > 1
 
@@ -137,6 +142,17 @@ def test_stop_token_ends_with_stop(engine):
     c = engine.generate([PROMPTS[0]], Sampling(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop_tok,)))[0]
     assert c.finish_reason == "stop"
     assert c.completion_ids == first[: k + 1] and len(c.logprobs) == k + 1
+
+
+def test_stop_string_ends_text_after_it(engine):
+    from tandem.modeling import load_tokenizer
+
+    tok = load_tokenizer(engine.model_path)
+    first = engine.generate([PROMPTS[1]], greedy(10))[0]
+    stop = tok.decode(first.completion_ids[4:6], skip_special_tokens=True)
+    c = engine.generate([PROMPTS[1]], Sampling(temperature=0.0, max_new_tokens=10, stop=(stop,)))[0]
+    assert c.finish_reason == "stop" and c.text.endswith(stop)
+    assert c.completion_ids == first.completion_ids[: len(c.completion_ids)] and len(c.logprobs) == len(c.completion_ids)
 
 
 # --------------------------------------------------------------------------------------------------- weights
