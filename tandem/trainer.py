@@ -114,7 +114,7 @@ def sampling_for(cfg: Config, seed: int) -> Sampling:
     r = cfg.rollout
     return Sampling(n=cfg.batch.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                     max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), stop_token_ids=tuple(r.stop_token_ids),
-                    seed=seed)
+                    ignore_eos=r.ignore_eos, seed=seed)
 
 
 def collect(run: Run, step: int, t: Timer) -> tuple[list[Prompt], list[Completion], list[float], dict]:

