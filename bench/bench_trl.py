@@ -1,0 +1,304 @@
+"""Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
+
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1]
+
+Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
+then tandem, each in a fresh child process (same process tree, same torch thread count), and prints one table:
+seconds per step (median of the measured steps after warm-up), completion tokens per second, peak RSS, the
+workload's FLOPs per step, the FLOP floor (FLOPs / this machine's fp32 matmul rate at the same thread count) and
+tandem/TRL. Then each framework's per-phase seconds (TRL's as far as its methods expose them).
+
+Workloads (both: KL 0.04 with the k3 estimator and a loaded reference model, token-mean loss (TRL's `dapo`),
+clip 0.2, fp32, no gradient checkpointing, no dropping of zero-variance groups, temperature 1, lr 1e-5):
+  small: 4 prompts x 4 generations, 32 new tokens, Qwen2 hidden 256 / 4 layers / 4 heads / 2 KV heads / MLP 512.
+  large: 16 prompts x 8 generations, 128 new tokens at fixed length (EOS ignored), Qwen2 hidden 512 / 6 layers /
+         8 heads / 4 KV heads / MLP 1536, tied embeddings (19 M parameters).
+Prompts are the demo task's questions (`47+38=`, 6 tokens each); the reward is exact match of the answer.
+
+FLOPs per step count 2 P per generated token, 2 P per reference-scored token and 6 P per trained token (P = all
+parameters, the tied embedding counted once as the LM head); scored and trained tokens are prompt + completion.
+TRL is a benchmark-only dependency (the `bench` extra); tandem never imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: int
+    generations: int
+    new_tokens: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    ignore_eos: bool
+    micro_rows: int  # sequences per forward/backward, the same for both frameworks
+
+    @property
+    def completions(self) -> int:
+        return self.prompts * self.generations
+
+
+WORKLOADS = {
+    "small": Workload("small", 4, 4, 32, 256, 4, 4, 2, 512, ignore_eos=False, micro_rows=16),
+    # 32 x 134-token rows per forward/backward: transient activations stay below glibc's 32 MiB mmap threshold
+    # and in cache, 1.25x faster per token than one 128-row pass on this machine.
+    "large": Workload("large", 16, 8, 128, 512, 6, 8, 4, 1536, ignore_eos=True, micro_rows=32),
+}
+KL, CLIP, LR, SEED = 0.04, 0.2, 1e-5, 0
+
+
+def build_model(folder: Path, w: Workload) -> int:
+    """A random-initialised Qwen2 of the workload's size with the demo's byte-level BPE; returns its parameter count."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tandem.data import arithmetic
+    from tandem.demo import build_tokenizer
+
+    tok = build_tokenizer(arithmetic.corpus(), 300)
+    cfg = Qwen2Config(
+        vocab_size=len(tok), hidden_size=w.hidden, num_hidden_layers=w.layers, num_attention_heads=w.heads,
+        num_key_value_heads=w.kv_heads, intermediate_size=w.mlp, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(SEED)
+    model = Qwen2ForCausalLM(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def matmul_gflops(threads: int, seconds: float = 2.0) -> float:
+    """This machine's fp32 matmul rate at `threads` torch threads, on a training-sized GEMM (4096 x 512 x 1536)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(4096, 512), torch.randn(512, 1536)
+    out = torch.empty(4096, 1536)
+    torch.mm(a, b, out=out)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b, out=out)
+        n += 1
+    return 2 * 4096 * 512 * 1536 * n / (time.perf_counter() - start) / 1e9
+
+
+def step_flops(w: Workload, params: int, prompt_tokens: int) -> float:
+    seq = w.completions * (prompt_tokens + w.new_tokens)
+    generated = w.completions * w.new_tokens
+    return 2 * params * generated + 2 * params * seq + 6 * params * seq
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def train_rows() -> list[dict]:
+    from tandem.data import arithmetic
+
+    return arithmetic.rows("train")
+
+
+# ---------------------------------------------------------------------------------------------- TRL child
+
+
+def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(threads)
+
+    def exact(prompts, completions, answer, **_):
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    times: list[float] = []
+    phases: list[dict[str, float]] = []
+    tokens: list[int] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.start = time.perf_counter()
+            phases.append({"rollout": 0.0, "reward": 0.0, "gen+score": 0.0})
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.start)
+
+    args = GRPOConfig(
+        output_dir=str(out), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=SEED,
+        per_device_train_batch_size=w.micro_rows, gradient_accumulation_steps=w.completions // w.micro_rows,
+        steps_per_generation=w.completions // w.micro_rows, num_generations=w.generations,
+        max_completion_length=w.new_tokens, max_steps=steps, learning_rate=LR, beta=KL, epsilon=CLIP,
+        loss_type="dapo", scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0, num_iterations=1,
+        logging_steps=1, report_to=[], save_strategy="no", disable_dropout=True, dataloader_num_workers=0,
+        generation_kwargs={"min_new_tokens": w.new_tokens} if w.ignore_eos else None,
+    )
+    ds = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in train_rows()])
+    trainer = GRPOTrainer(model=str(model), reward_funcs=exact, args=args, train_dataset=ds, callbacks=[StepTimer()])
+
+    def timed(name, fn, count_tokens=False):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            res = fn(*a, **k)
+            phases[-1][name] += time.perf_counter() - start
+            if count_tokens:
+                tokens.append(int(res["completion_mask"].sum()))
+            return res
+        return wrapper
+
+    trainer._generate = timed("rollout", trainer._generate)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    trainer._generate_and_score_completions = timed("gen+score", trainer._generate_and_score_completions, True)
+    trainer.train()
+    out_phases = []
+    for p, t in zip(phases, times):
+        out_phases.append({"rollout": p["rollout"], "reward": p["reward"],
+                           "logprobs": p["gen+score"] - p["rollout"] - p["reward"],  # reference forward + bookkeeping
+                           "update": t - p["gen+score"]})
+    return {"times": times, "tokens": tokens, "phases": out_phases, "rss_mb": peak_rss_mb()}
+
+
+# ---------------------------------------------------------------------------------------------- tandem child
+
+
+def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int) -> dict:
+    from tandem.config import load_config
+    from tandem.trainer import train
+
+    seq = 6 + w.new_tokens
+    cfg = load_config(None, [
+        f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", f"run.threads={threads}",
+        f"run.seed={SEED}", "run.save_every=0", "run.progress=false", "run.tensorboard=false", "run.plots=false",
+        f"batch.prompts_per_step={w.prompts}", f"batch.group_size={w.generations}",
+        f"batch.micro_batch_tokens={w.micro_rows * seq}",
+        f"rollout.max_new_tokens={w.new_tokens}", f"rollout.ignore_eos={str(w.ignore_eos).lower()}",
+        "data.max_prompt_tokens=8", "data.eval_size=1", f"algo.kl_coef={KL}", "algo.kl_estimator=k3",
+        "algo.loss_agg=token_mean", f"algo.clip_low={CLIP}", f"algo.clip_high={CLIP}", "algo.adv_eps=1e-4",
+        f"optim.lr={LR}", "rewards=[{name: arithmetic_exact}]", "reward_pool.workers=0",
+    ])
+    train(cfg)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] > 0]
+    return {
+        "times": [r["time/step"] for r in rows],
+        "tokens": [round(r["completion/length_mean"] * w.completions) for r in rows],
+        "phases": [{k[5:]: r[k] for k in ("time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync")}
+                   for r in rows],
+        "rss_mb": peak_rss_mb(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- parent
+
+
+def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int) -> dict:
+    """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other)."""
+    result = work / f"{framework}-{w.name}.json"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, __file__, "--child", framework, "--workload", w.name, "--model", str(model),
+           "--out", str(result), "--steps", str(steps), "--threads", str(threads)]
+    proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        sys.stdout.write(proc.stdout[-6000:])
+        raise SystemExit(f"{framework} on {w.name} failed (exit {proc.returncode})")
+    return json.loads(result.read_text())
+
+
+def summarize(res: dict, warmup: int) -> dict:
+    times, tokens = res["times"][warmup:], res["tokens"][warmup:]
+    med = statistics.median(times)
+    phases = {k: statistics.median(p[k] for p in res["phases"][warmup:]) for k in res["phases"][0]}
+    return {"s_step": med, "tok_s": sum(tokens) / sum(times), "rss_mb": res["rss_mb"], "phases": phases,
+            "all": times}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["small", "large", "both"], default="both")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default: 5 small, 2 large)")
+    ap.add_argument("--warmup", type=int, default=1, help="steps run before measuring")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in every process")
+    ap.add_argument("--frameworks", nargs="+", default=["trl", "tandem"], choices=["trl", "tandem"])
+    ap.add_argument("--child", choices=["trl", "tandem"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.child:
+        w = WORKLOADS[args.workload]
+        fn = run_trl if args.child == "trl" else run_tandem
+        res = fn(w, Path(args.model), Path(args.out).with_suffix(".run"), args.steps, args.threads)
+        Path(args.out).write_text(json.dumps(res))
+        return
+
+    import torch
+
+    names = ["small", "large"] if args.workload == "both" else [args.workload]
+    print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, "
+          f"load average at start={os.getloadavg()}")
+    rate = matmul_gflops(args.threads)
+    print(f"fp32 matmul rate at {args.threads} thread(s): {rate:.1f} GFLOP/s")
+    table = []
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+        work = Path(tmp)
+        for name in names:
+            w = WORKLOADS[name]
+            steps = args.steps or (5 if name == "small" else 2)
+            params = build_model(work / f"model-{name}", w)
+            flops = step_flops(w, params, prompt_tokens=6)
+            res = {}
+            for fw in args.frameworks:
+                start = time.perf_counter()
+                res[fw] = summarize(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads),
+                                    args.warmup)
+                print(f"  {name:5s} {fw:6s} done in {time.perf_counter() - start:.0f} s, steps: "
+                      + ", ".join(f"{t:.3f}" for t in res[fw]["all"]) + f"; load {os.getloadavg()[0]:.2f}",
+                      flush=True)
+            table.append((w, params, flops, steps, res))
+
+    floor_note = f"floor = FLOPs / {rate:.1f} GFLOP/s"
+    print(f"\nthreads={args.threads}; s/step = median of the measured steps after {args.warmup} warm-up; {floor_note}")
+    head = f"{'workload':9s} {'framework':9s} {'s/step':>8s} {'compl tok/s':>11s} {'peak RSS MB':>11s} " \
+           f"{'GFLOP/step':>10s} {'floor s':>8s} {'x floor':>7s} {'tandem/TRL':>10s}"
+    print(head)
+    print("-" * len(head))
+    for w, params, flops, steps, res in table:
+        floor = flops / (rate * 1e9)
+        for fw, r in res.items():
+            ratio = f"{r['s_step'] / res['trl']['s_step']:.2f}" if fw == "tandem" and "trl" in res else ""
+            print(f"{w.name:9s} {fw:9s} {r['s_step']:8.3f} {r['tok_s']:11.0f} {r['rss_mb']:11.0f} "
+                  f"{flops / 1e9:10.1f} {floor:8.3f} {r['s_step'] / floor:7.2f} {ratio:>10s}")
+        print(f"{'':9s} ({params / 1e6:.2f} M params, {w.prompts}x{w.generations} x {w.new_tokens} tokens, "
+              f"{steps} measured steps)")
+    print("\nper-phase seconds (median over measured steps; TRL: rollout = _generate, logprobs = the rest of "
+          "_generate_and_score_completions, update = the rest of the step)")
+    for w, _, _, _, res in table:
+        for fw, r in res.items():
+            print(f"  {w.name:5s} {fw:6s} " + "  ".join(f"{k}={v:.3f}" for k, v in r["phases"].items()))
+    print(f"load average at end={os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

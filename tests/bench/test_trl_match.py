@@ -1,0 +1,119 @@
+"""Faster is not different: tandem's first-step GRPO loss equals TRL's on the same completions (runs where TRL is installed)."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+if importlib.util.find_spec("trl") is None:
+    pytest.skip("trl is not installed (pip install -e '.[bench]')", allow_module_level=True)
+G, PROMPTS, NEW_TOKENS, KL, CLIP = 4, 2, 12, 0.04, 0.2
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_trl", ROOT / "bench" / "bench_trl.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _reward(completions, **_) -> list[float]:
+    """A deterministic reward with a spread inside groups: the number of digits in the completion."""
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+def test_first_step_loss_matches_trl(tmp_path):
+    """Runs in a child process: importing TRL's trainer imports vLLM where it is installed, and vLLM changes the
+    process it lands in (threads, environment, seeds) for every test that would run after this one."""
+    r = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "first-step loss" in r.stdout
+    print(r.stdout.strip().splitlines()[-1])
+
+
+def check(tmp_path: Path) -> None:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tandem.algo import ADVANTAGES
+    from tandem.config import AlgoConfig, OptimConfig
+    from tandem.rollout import Completion
+    from tandem.train.batch import make_micro_batches
+    from tandem.train.policy import Policy
+
+    bench = _bench()
+    w = bench.Workload("test", PROMPTS, G, NEW_TOKENS, 64, 2, 4, 2, 128, ignore_eos=False, micro_rows=PROMPTS * G)
+    model = tmp_path / "model"
+    bench.build_model(model, w)
+    torch.manual_seed(0)
+
+    # TRL's own first step (its sampling, rewards, advantages, reference logprobs and loss), recorded as it runs
+    seen: dict = {}
+    rewards: list[float] = []
+
+    def reward(prompts, completions, **kw):
+        out = _reward(completions)
+        rewards.extend(out)
+        return out
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False, seed=0,
+        per_device_train_batch_size=PROMPTS * G, num_generations=G, max_completion_length=NEW_TOKENS, max_steps=1,
+        learning_rate=1e-5, beta=KL, epsilon=CLIP, loss_type="dapo", scale_rewards="group", temperature=1.0,
+        report_to=[], save_strategy="no", logging_steps=1, disable_dropout=True,
+    )
+    rows = [{"prompt": q} for q in ("12+34=", "56+78=", "90+12=", "34+56=")]
+    trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows))
+    # a reference that differs from the policy, so the KL term is not identically zero
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in trainer.ref_model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    compute = trainer._compute_loss
+
+    def recording(model_, inputs):
+        loss = compute(model_, inputs)
+        seen.update(inputs=inputs, loss=float(loss.detach()))
+        return loss
+
+    trainer._compute_loss = recording
+    trainer.train()
+    inp = seen["inputs"]
+
+    # the same token ids, as tandem completions; TRL shuffles rows after scoring, so groups are found by prompt
+    tok = trainer.processing_class
+    comps, scores, group_of = [], [], {}
+    for i in range(PROMPTS * G):
+        prompt = inp["prompt_ids"][i][inp["prompt_mask"][i].bool()].tolist()
+        n = int(inp["completion_mask"][i].sum())
+        ids = inp["completion_ids"][i][:n].tolist()
+        text = tok.decode(ids, skip_special_tokens=True)
+        comps.append(Completion(prompt, ids, [0.0] * n, text, "stop", group_of.setdefault(tuple(prompt), len(group_of))))
+        scores += _reward([text])
+    assert sorted(scores) == sorted(rewards)
+    groups = torch.tensor([c.prompt_index for c in comps])
+    adv = ADVANTAGES["grpo"](torch.tensor(scores, dtype=torch.float32), groups, eps=1e-4)
+    assert torch.allclose(adv, inp["advantages"].float(), atol=1e-5), (adv, inp["advantages"])
+    assert adv.abs().sum() > 0
+
+    algo = AlgoConfig(kl_coef=KL, kl_estimator="k3", loss_agg="token_mean", clip_low=CLIP, clip_high=CLIP, adv_eps=1e-4)
+    policy = Policy(str(model), "float32", False, algo, OptimConfig(lr=1e-5), 1, 1.0, NEW_TOKENS)
+    policy.ref.load_state_dict(trainer.ref_model.state_dict())
+    mbs = make_micro_batches(comps, adv, budget=4096, pad_id=trainer.processing_class.pad_token_id)
+    sums, _ = policy.prepare([mbs])
+    stats = policy.update([mbs], sums)
+    assert stats["kl"] > 1e-4  # the KL term takes part in the comparison
+    print(f"first-step loss: tandem {stats['loss']:.8f}, TRL {seen['loss']:.8f}, kl {stats['kl']:.5f}")
+    assert abs(stats["loss"] - seen["loss"]) < 1e-4, (stats["loss"], seen["loss"])
+
+
+if __name__ == "__main__":
+    check(Path(sys.argv[1]))
