@@ -117,7 +117,7 @@ def sampling_for(cfg: Config, seed: int) -> Sampling:
                     ignore_eos=r.ignore_eos, seed=seed)
 
 
-def collect(run: Run, step: int, t: Timer) -> tuple[list[Prompt], list[Completion], list[float], dict]:
+def collect(run: Run, step: int, t: Timer) -> tuple[list[Completion], list[float], dict]:
     """Sample a step's groups and score them; with dynamic sampling, keep sampling until enough groups have
     a reward spread (or the round cap is hit)."""
     cfg, a = run.cfg, run.cfg.algo
@@ -167,17 +167,16 @@ def collect(run: Run, step: int, t: Timer) -> tuple[list[Prompt], list[Completio
     stats["train/accuracy"] = sum(s >= 1.0 for s in per_fn[run.correct_reward]) / len(comps)
     # renumber groups 0..k-1 in order so workers see contiguous prompt groups
     remap = {g: i for i, g in enumerate(dict.fromkeys(c.prompt_index for c in comps))}
-    kept_prompts = [prompts[g] for g in remap]
     for c in comps:
         c.prompt_index = remap[c.prompt_index]
-    return kept_prompts, comps, totals, stats
+    return comps, totals, stats
 
 
 def grpo_step(run: Run, step: int) -> dict[str, float]:
     cfg, a = run.cfg, run.cfg.algo
     t = Timer()
     with t("step"):
-        prompts, comps, rewards, m = collect(run, step, t)
+        comps, rewards, m = collect(run, step, t)
         lengths = torch.tensor([len(c.completion_ids) for c in comps])
         reward = torch.tensor(rewards, dtype=torch.float32)
         if a.overlong_buffer:

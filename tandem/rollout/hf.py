@@ -83,7 +83,6 @@ class HFEngine:
         stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))),
                                 dtype=torch.long)
         finished = torch.zeros(B, dtype=torch.bool)
-        stop_by_string = torch.zeros(B, dtype=torch.bool)
         lengths = torch.zeros(B, dtype=torch.long)
         tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
@@ -105,7 +104,7 @@ class HFEngine:
             lengths += (~finished).long()
             hit = torch.isin(tok, stop_ids) & ~finished
             if sampling.stop:
-                hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts, stop_by_string)
+                hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts)
             finished |= hit
             if bool(finished.all()):
                 break
@@ -131,7 +130,7 @@ class HFEngine:
             ))
         return results
 
-    def _stop_strings(self, tokens, lengths, done, stops, texts, by_string) -> torch.Tensor:
+    def _stop_strings(self, tokens, lengths, done, stops, texts) -> torch.Tensor:
         """Rows whose decoded completion now contains a stop string; their text is cut just after it."""
         hit = torch.zeros(len(lengths), dtype=torch.bool)
         last = torch.stack(tokens, 1)
@@ -140,7 +139,6 @@ class HFEngine:
             cut = min((text.find(s) + len(s) for s in stops if s in text), default=-1)
             if cut >= 0:
                 hit[i] = True
-                by_string[i] = True
                 texts[i] = text[:cut]
         return hit
 

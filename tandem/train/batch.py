@@ -6,7 +6,7 @@ per-token tensors (targets, masks, logprobs) are [rows, T], right-aligned.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +25,6 @@ class MicroBatch:
     advantages: torch.Tensor  # [b]
     old_logprobs: torch.Tensor | None = None  # [b, T], filled before updates when mu > 1 or mini_batches > 1
     ref_logprobs: torch.Tensor | None = None  # [b, T], filled when kl_coef > 0
-    extras: dict = field(default_factory=dict)
 
     @property
     def width(self) -> int:
