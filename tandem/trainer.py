@@ -78,7 +78,7 @@ def prepare(cfg: Config, resume: bool = False) -> Run:
     if resume and last is None:
         log.warning("--resume: no checkpoint in %s, starting from step 0", out / "checkpoints")
     try:
-        group = LocalWorkerGroup(lambda rank, size: HybridWorker(cfg, rank, size), cfg.placement.workers)
+        group = LocalWorkerGroup(lambda ctx: HybridWorker(cfg, ctx), cfg.placement.workers)
     except BaseException:
         scorer.close()  # its worker processes started early, to warm up while the models load
         raise

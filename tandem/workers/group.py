@@ -1,7 +1,28 @@
 """Worker groups: the controller's one way to reach workers, whether they live in this process or on Ray."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
+
+
+@dataclass
+class WorkerContext:
+    """Where a worker sits: handed to every worker factory, by every backend.
+
+    `group` is the torch.distributed process group of this worker group's members (None when the group has one
+    worker and no process group was started). Several groups started together (split placement: trainers and
+    samplers) share one default process group of `world_size` ranks; `group_ranks` names each group's global
+    ranks, in group-rank order, so code that spans groups (weight broadcast) can address the others.
+    """
+
+    rank: int = 0
+    size: int = 1
+    global_rank: int = 0
+    world_size: int = 1
+    group: Any = None
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    name: str = "workers"
+    device: str = "cpu"
 
 
 class WorkerError(RuntimeError):
@@ -26,9 +47,11 @@ class WorkerGroup(Protocol):
 class LocalWorkerGroup:
     """Workers as plain objects in this process (the embedded default is this with size 1)."""
 
-    def __init__(self, factory: Callable[[int, int], Any], size: int = 1):
+    def __init__(self, factory: Callable[[WorkerContext], Any], size: int = 1, name: str = "workers"):
+        if size != 1:
+            raise ValueError("the local backend runs one worker; use placement.backend: ray for more")
         self.size = size
-        self.workers = [factory(rank, size) for rank in range(size)]
+        self.workers = [factory(WorkerContext(name=name, group_ranks={name: [0]}))]
 
     def _run(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
         try:

@@ -15,6 +15,7 @@ from tandem.rollout import Completion, Sampling, make_engine
 from tandem.sync.local import push_weights
 from tandem.train.batch import make_micro_batches
 from tandem.train.policy import Policy
+from tandem.workers.group import WorkerContext
 
 
 def engine_args(cfg: Config) -> tuple[str, dict]:
@@ -35,8 +36,8 @@ def engine_args(cfg: Config) -> tuple[str, dict]:
 
 
 class HybridWorker:
-    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1):
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+    def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
+        self.cfg, self.ctx = cfg, ctx or WorkerContext()
         m = cfg.model
         self.tokenizer = load_tokenizer(m.path, m.trust_remote_code)
         total_opt_steps = cfg.run.steps * cfg.algo.mu * cfg.batch.mini_batches
