@@ -217,9 +217,47 @@ class EvalConfig(Section):
 
 
 class PlacementConfig(Section):
-    mode: Literal["colocate"] = Field("colocate", description="`colocate`: training and sampling share the workers (time-sliced).")
-    backend: Literal["local"] = Field("local", description="`local`: workers live in this process.")
-    workers: int = Field(1, ge=1, le=1, description="Number of workers (the local backend runs one).")
+    mode: Literal["colocate", "split"] = Field(
+        "colocate", description="`colocate`: every worker holds policy, reference and engine and runs the phases in "
+        "turn, offloading the idle side (GRPO at the memory of fine-tuning). `split`: `train_workers` trainers and "
+        "`rollout_workers` samplers on separate devices, weights broadcast after each update; with `schedule: "
+        "async` the samplers work on the next batch while the trainers train.",
+    )
+    backend: Literal["local", "ray"] = Field(
+        "local", description="`local`: one worker in this process (no extra dependency). `ray`: workers are Ray "
+        "actors in a placement group forming one torch.distributed group (`pip install tandem[ray]`); needed for "
+        "more than one worker and for split placement.",
+    )
+    workers: int = Field(1, ge=1, description="Colocated (hybrid) workers: one process per device.")
+    tensor_parallel: int = Field(
+        1, ge=1, description="Training tensor-parallel degree inside the training workers (DTensor); the rest is "
+        "FSDP2 data parallel, so workers (or train_workers) = dp x tensor_parallel.",
+    )
+    train_workers: int = Field(1, ge=1, description="split: trainer processes.")
+    rollout_workers: int = Field(1, ge=1, description="split: sampler instances (data parallel; prompts are balanced by expected tokens).")
+    schedule: Literal["sync", "async"] = Field(
+        "sync", description="`sync`: sample, then train, each step. `async` (split only): the samplers generate the "
+        "next batches while the trainers train, at most `max_staleness` policy versions behind; the loss uses the "
+        "sampler's logprobs as the behaviour policy (importance ratio, clipped).",
+    )
+    max_staleness: int = Field(
+        1, ge=1, description="async: the most policy versions a trained batch may lag the trainer; older batches are "
+        "dropped, never trained on. Also the number of batches sampled ahead.",
+    )
+    offload: Literal["auto", "on", "off"] = Field(
+        "auto", description="Colocated workers move the idle side off the compute device bucket by bucket: policy "
+        "params/grads/optimizer and reference while sampling, the engine while training. `auto`: on for GPUs, off "
+        "on CPU (there host and device are the same memory; `on` still runs it, for tests and accounting).",
+    )
+    ray_address: str = Field(
+        "", description="Connect to this Ray cluster (multi-node); empty = start a Ray on 127.0.0.1 for this run.",
+    )
+    cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker (and its torch threads).")
+    gpus_per_worker: int = Field(0, ge=0, le=1, description="GPUs per worker (0 on CPU machines).")
+    call_timeout_s: float = Field(
+        0.0, ge=0.0, description="A worker call running longer than this stops the run with an error naming the "
+        "workers still running; 0 = no limit. Dead workers are detected without it.",
+    )
 
 
 class Config(Section):
@@ -275,6 +313,22 @@ class Config(Section):
             raise ConfigError(f"data.path: empty, but data.task={self.data.task!r} reads a file; set data.path")
         if not self.rewards:
             raise ConfigError("rewards: empty; name at least one reward function")
+        pl = self.placement
+        distributed = pl.workers > 1 or pl.mode == "split"
+        if distributed and pl.backend != "ray":
+            what = "placement.mode: split" if pl.mode == "split" else f"placement.workers: {pl.workers}"
+            raise ConfigError(f"{what} needs placement.backend: ray (the local backend runs one worker in this "
+                              "process); set placement.backend=ray")
+        trainers = pl.workers if pl.mode == "colocate" else pl.train_workers
+        if trainers % pl.tensor_parallel:
+            field = "workers" if pl.mode == "colocate" else "train_workers"
+            raise ConfigError(f"placement.tensor_parallel: {pl.tensor_parallel} does not divide placement.{field}="
+                              f"{trainers}; training workers form a dp x tp mesh")
+        if pl.schedule == "async" and pl.mode != "split":
+            raise ConfigError("placement.schedule: async needs placement.mode: split (colocated workers time-slice "
+                              "one device: there is nothing to overlap); use schedule: sync or mode: split")
+        if pl.schedule == "async" and self.algo.dynamic_sampling:
+            raise ConfigError("algo.dynamic_sampling: not supported with placement.schedule: async yet; turn one off")
         if self.eval.k > 1 and self.eval.temperature == 0:
             raise ConfigError("eval.temperature: 0 with eval.k > 1 gives k identical samples; set a temperature > 0")
         return self

@@ -1,9 +1,9 @@
-"""The controller: GRPO's loop over a worker group, with evaluation, checkpoint and metrics cadence."""
+"""The controller: GRPO's loop over the workers (sync or async schedule), with eval, checkpoint and metrics cadence."""
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +19,8 @@ from tandem.metrics import MetricsLog
 from tandem.modeling import check_model_folder, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.rollout import Completion, Sampling
-from tandem.workers import LocalWorkerGroup, WorkerGroup
-from tandem.workers.hybrid import HybridWorker
+from tandem.workers import placement
+from tandem.workers.placement import PendingRollout, Placement, Rollout
 
 log = logging.getLogger("tandem.trainer")
 
@@ -32,12 +32,13 @@ class Run:
     eval_prompts: list[Prompt]
     scorer: RewardScorer
     correct_reward: str
-    group: WorkerGroup
+    workers: Placement
     start_step: int = 0
     resumed: bool = False
+    rollouts: "Rollouts | None" = None
 
     def close(self) -> None:
-        self.group.shutdown()
+        self.workers.shutdown()
         self.scorer.close()
 
 
@@ -55,7 +56,7 @@ class Timer(defaultdict):
 
 
 def prepare(cfg: Config, resume: bool = False) -> Run:
-    """Check everything that can be checked (model folder, tokenizer, data, rewards), then load the workers."""
+    """Check everything that can be checked (model folder, tokenizer, data, rewards), then start the workers."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     check_model_folder(cfg.model.path)
@@ -78,36 +79,24 @@ def prepare(cfg: Config, resume: bool = False) -> Run:
     if resume and last is None:
         log.warning("--resume: no checkpoint in %s, starting from step 0", out / "checkpoints")
     try:
-        group = LocalWorkerGroup(lambda ctx: HybridWorker(cfg, ctx), cfg.placement.workers)
+        workers = placement.build(cfg)
     except BaseException:
         scorer.close()  # its worker processes started early, to warm up while the models load
         raise
-    group.call("sync_weights")
     stream = PromptStream(train, cfg.run.seed)
     start = 0
     if last is not None:
         state = checkpoint.load_state(last)
-        group.call("load", str(last))
+        workers.load(str(last), state["step"])
         stream.load_state_dict(state["data"])
         start = state["step"]
         changed = _changed_keys(state.get("config", {}), cfg.model_dump(mode="json"))
         if changed:
             log.warning("resuming with a config that differs from the checkpoint's in: %s", ", ".join(changed))
         log.info("resumed from %s (step %d)", last, start)
-    return Run(cfg, stream, eval_prompts, scorer, correct, group, start, resumed=last is not None)
-
-
-def generate(group: WorkerGroup, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
-    """Spread prompts over the workers, keep results in prompt order with global prompt indices."""
-    n = group.size
-    shares = [prompts[r::n] for r in range(n)]
-    results = group.call_each("generate", [(s, sampling) for s in shares])
-    out: list[Completion] = []
-    for rank, comps in enumerate(results):
-        for c in comps:
-            c.prompt_index = c.prompt_index * n + rank
-            out.append(c)
-    return sorted(out, key=lambda c: c.prompt_index)  # stable: a group's samples keep their order
+    run = Run(cfg, stream, eval_prompts, scorer, correct, workers, start, resumed=last is not None)
+    run.rollouts = Rollouts(run)
+    return run
 
 
 def sampling_for(cfg: Config, seed: int) -> Sampling:
@@ -117,8 +106,52 @@ def sampling_for(cfg: Config, seed: int) -> Sampling:
                     ignore_eos=r.ignore_eos, seed=seed)
 
 
+@dataclass
+class InFlight:
+    step: int
+    prompts: list[Prompt]
+    pending: PendingRollout
+    stream_state: dict  # the prompt stream before this batch was taken: where a resume must restart
+
+
+class Rollouts:
+    """Where each step's samples come from. `sync`: sampled now, with the weights just synced. `async`: sampled
+    ahead by the samplers while the trainers train, at most `max_staleness` policy versions behind."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        pl = run.cfg.placement
+        self.depth = pl.max_staleness if pl.schedule == "async" else 0
+        self.ahead: deque[InFlight] = deque()
+        self.next_step = run.start_step + 1
+
+    def _submit(self, step: int, rnd: int = 0) -> InFlight:
+        run = self.run
+        state = run.stream.state_dict()
+        prompts = run.stream.take(run.cfg.batch.prompts_per_step)
+        seed = run.cfg.run.seed * 1_000_003 + step * 97 + rnd
+        return InFlight(step, prompts, run.workers.submit_generate([p.ids for p in prompts], sampling_for(run.cfg, seed)),
+                        state)
+
+    def take(self, step: int, rnd: int, t: Timer) -> tuple[list[Prompt], Rollout]:
+        if not self.depth:
+            with t("rollout"):
+                f = self._submit(step, rnd)
+                return f.prompts, f.pending.get()
+        while len(self.ahead) <= self.depth:  # the batch for this step plus `depth` ahead: the sampler never waits
+            self.ahead.append(self._submit(self.next_step))
+            self.next_step += 1
+        f = self.ahead.popleft()
+        with t("rollout"):  # under async this is the trainer's idle time waiting for samples
+            return f.prompts, f.pending.get()
+
+    def resume_state(self) -> dict:
+        """The prompt stream as a resumed run must see it: batches sampled ahead but not trained are redone."""
+        return self.ahead[0].stream_state if self.ahead else self.run.stream.state_dict()
+
+
 def collect(run: Run, step: int, t: Timer) -> tuple[list[Completion], list[float], dict]:
-    """Sample a step's groups and score them; with dynamic sampling, keep sampling until enough groups have
+    """Take a step's groups and score them; with dynamic sampling, keep sampling until enough groups have
     a reward spread (or the round cap is hit)."""
     cfg, a = run.cfg, run.cfg.algo
     P = cfg.batch.prompts_per_step
@@ -129,9 +162,16 @@ def collect(run: Run, step: int, t: Timer) -> tuple[list[Completion], list[float
     totals: list[float] = []
     rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
     for rnd in range(rounds):
-        batch = run.stream.take(P)
-        with t("rollout"):
-            new = generate(run.group, [p.ids for p in batch], sampling_for(cfg, cfg.run.seed * 1_000_003 + step * 97 + rnd))
+        batch, rollout = run.rollouts.take(step, rnd, t)
+        new = rollout.completions
+        staleness = (step - 1) - rollout.version  # the trainer is at version step - 1 before this update
+        stats["async/staleness"] = max(stats["async/staleness"], staleness)
+        stats["time/sampler_idle"] += rollout.idle_seconds
+        stats["time/weight_load"] += rollout.load_seconds
+        stats["time/generate"] += rollout.seconds
+        if staleness > cfg.placement.max_staleness:  # cannot happen with the schedule above; never train on it
+            raise RuntimeError(f"step {step}: a batch sampled by policy version {rollout.version} is {staleness} "
+                               f"versions old, over placement.max_staleness={cfg.placement.max_staleness}")
         with t("reward"):
             rows = [batch[c.prompt_index].row for c in new]
             res = run.scorer.score([c.text for c in new], [r["question"] for r in rows], rows)
@@ -178,20 +218,21 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     with t("step"):
         comps, rewards, m = collect(run, step, t)
         lengths = torch.tensor([len(c.completion_ids) for c in comps])
+        run.workers.observe_lengths(lengths)
         reward = torch.tensor(rewards, dtype=torch.float32)
         if a.overlong_buffer:
             reward = reward + overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
                                                a.overlong_penalty).float()
         with t("logprobs"):
-            penalties = run.group.call("prepare", comps)[0]
+            penalties = run.workers.prepare(comps)
         if a.kl_in_reward:
             reward = reward - torch.tensor(penalties, dtype=torch.float32)
         groups = torch.tensor([c.prompt_index for c in comps])
         adv = ADVANTAGES[a.advantage](reward, groups, eps=a.adv_eps)
         with t("update"):
-            stats = run.group.call("train", adv)[0]
+            stats = run.workers.train(adv)
         with t("sync"):
-            sync = run.group.call("sync_weights")[0]
+            sync = run.workers.sync_weights(step)
     gen_tokens = int(lengths.sum())
     m.update(stats)
     m.update({
@@ -203,7 +244,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
         "time/rollout": t["rollout"], "time/reward": t["reward"], "time/logprobs": stats["time/logprobs"],
         "time/update": stats["time/update"], "time/sync": t["sync"], "time/step": t["step"],
         "sync/bytes": sync["bytes"], "sync/seconds": sync["seconds"],
-        "rollout/tokens_per_s": gen_tokens / max(t["rollout"], 1e-9),
+        "rollout/tokens_per_s": gen_tokens / max(m["time/generate"], 1e-9),
         "tokens_per_s": (gen_tokens + sum(len(c.prompt_ids) for c in comps)) / max(t["step"], 1e-9),
     })
     return m
@@ -213,7 +254,7 @@ def run_eval(run: Run) -> dict[str, float]:
     cfg = run.cfg
 
     def gen(ids, sampling):
-        return generate(run.group, ids, sampling)
+        return run.workers.generate(ids, sampling).completions
 
     res = evaluate(gen, run.eval_prompts, run.scorer, run.correct_reward, cfg.rollout.max_new_tokens,
                    k=cfg.eval.k, temperature=cfg.eval.temperature, seed=cfg.run.seed, stop=tuple(cfg.rollout.stop))
@@ -221,9 +262,9 @@ def run_eval(run: Run) -> dict[str, float]:
 
 
 def save(run: Run, step: int) -> Path:
-    state = {"step": step, "data": run.stream.state_dict(), "config": run.cfg.model_dump(mode="json")}
-    return checkpoint.save(Path(run.cfg.run.output_dir) / "checkpoints", step,
-                           lambda folder: run.group.call("save", folder), state, run.cfg.run.keep_checkpoints)
+    state = {"step": step, "data": run.rollouts.resume_state(), "config": run.cfg.model_dump(mode="json")}
+    return checkpoint.save(Path(run.cfg.run.output_dir) / "checkpoints", step, run.workers.save, state,
+                           run.cfg.run.keep_checkpoints)
 
 
 def train(cfg: Config, resume: bool = False) -> dict[str, float]:
@@ -241,9 +282,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         bar = _progress(r.progress, run.start_step, r.steps)
         for step in range(run.start_step + 1, r.steps + 1):
             m = grpo_step(run, step)
-            if r.eval_every and step % r.eval_every == 0 and step != r.steps:
-                m.update(run_eval(run))
-            if step == r.steps:
+            if (r.eval_every and step % r.eval_every == 0) or step == r.steps:
                 m.update(run_eval(run))
             metrics.log(step, m)
             if (r.save_every and step % r.save_every == 0) or step == r.steps:

@@ -6,6 +6,7 @@ from typing import Iterable
 
 import torch
 
+from tandem import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
 from tandem.rollout import llama_decode
 from tandem.rollout.base import Completion, Sampling
@@ -45,11 +46,15 @@ class HFEngine:
         self.seed = seed
         self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
         self._params = dict(self.model.named_parameters())
+        for p in self._params.values():
+            residency.ensure_resizable(p)  # sleep frees storages in place; a memory-mapped one cannot be
+        self._asleep: list[tuple[torch.UntypedStorage, int]] | None = None  # freed storages and their sizes
         self.last_sync_seconds = 0.0
         self.last_sync_bytes = 0
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        self._check_awake("generate")
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
@@ -145,6 +150,7 @@ class HFEngine:
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the engine's parameters in place; all names and shapes are checked before any copy."""
+        self._check_awake("load_weights")
         start = time.perf_counter()
         items = list(named_tensors)
         for name, t in items:
@@ -163,10 +169,31 @@ class HFEngine:
         self.last_sync_bytes = nbytes
 
     def sleep(self) -> int:
-        return 0  # the embedded engine on CPU shares host memory with the trainer; nothing to release
+        """Free the weights' storage (level 2: contents discarded; the next weight sync rewrites every parameter).
+
+        The KV cache lives only inside `generate`, so the weights are all there is. Returns bytes released.
+        """
+        if self._asleep is not None:
+            return 0
+        storages = residency.unique_storages(self._params.values())
+        self._asleep = [(s, s.nbytes()) for s in storages]
+        return sum(residency.free(s) for s in storages)
 
     def wake(self) -> int:
-        return 0
+        """Re-allocate the weights (contents undefined until the next `load_weights`); returns bytes allocated."""
+        if self._asleep is None:
+            return 0
+        restored = sum(residency.restore(s, n) for s, n in self._asleep)
+        self._asleep = None
+        return restored
+
+    def resident_bytes(self) -> int:
+        """Device bytes the engine's weights hold now (0 while asleep)."""
+        return residency.storage_bytes(self._params.values())
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep is not None:
+            raise RuntimeError(f"hf engine: {what} while asleep; call wake() and load_weights() first")
 
     def close(self) -> None:
         self.model = None

@@ -85,3 +85,17 @@ def make_micro_batches(completions: list[Completion], advantages: torch.Tensor, 
     idx = list(range(len(completions))) if subset is None else subset
     lengths = [len(completions[i].prompt_ids) + len(completions[i].completion_ids) for i in idx]
     return [collate(completions, [idx[k] for k in g], advantages, pad_id) for g in pack(lengths, budget)]
+
+
+def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:
+    """One padding token with a zero mask: a forward/backward that adds nothing to any loss or statistic.
+
+    Sharded training (FSDP/TP) needs every rank to run the same number of passes (they are collectives); a rank
+    with fewer micro-batches in a mini-batch than its peers runs these. Its old and reference logprobs are set
+    (zeros) so it can enter an update without having been through `prepare`.
+    """
+    # two tokens: a one-token "prompt" and a one-token "completion", the smallest shape the logprob code handles
+    ids = torch.full((1, 2), pad_id, dtype=torch.long)
+    zeros = torch.zeros((1, 1), dtype=torch.float32)
+    return MicroBatch([], ids, torch.ones_like(ids), torch.arange(2).view(1, 2), ids[:, 1:].clone(), zeros.clone(),
+                      zeros.clone(), torch.zeros(1), old_logprobs=zeros.clone(), ref_logprobs=zeros.clone())

@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import torch
 
+from tandem import residency
 from tandem.algo import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -18,7 +19,11 @@ from tandem.algo import (
 )
 from tandem.config import AlgoConfig, OptimConfig
 from tandem.modeling import load_causal_lm
-from tandem.train.batch import MicroBatch
+from tandem.train.batch import MicroBatch, dummy_micro_batch
+from tandem.train.offload import Offloader
+
+# Stats summed over data-parallel ranks (each rank holds its own rows); "logprob_diff_max" is a max instead.
+_SUM_STATS = ("clip_frac", "ratio", "entropy", "logprob_diff", "kl", "tis_capped")
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
@@ -60,26 +65,120 @@ class Policy:
     """Owns the trainable model, its optimizer and schedule, and the reference model when KL is on."""
 
     def __init__(self, model_path: str, dtype: str, trust_remote_code: bool, algo: AlgoConfig, optim: OptimConfig,
-                 total_optimizer_steps: int, temperature: float, max_new_tokens: int):
+                 total_optimizer_steps: int, temperature: float, max_new_tokens: int, mesh=None,
+                 mixed_precision: str | None = None, device: str | None = None, offload_bucket_bytes: int = 64 << 20):
+        """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping).
+
+        With a mesh, each dp rank trains on its own rows of every mini-batch (tp peers get the same rows), the
+        normalizers and the stats are reduced over dp, and gradients are summed over dp, so the update equals the
+        single-process update of the whole mini-batch.
+        """
+        from tandem.train.parallel import parallelize
+
         self.algo, self.optim_cfg = algo, optim
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
+        self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.model = load_causal_lm(model_path, dtype, trust_remote_code)
+        if device is not None:
+            self.model.to(device)
         self.model.train()
+        parallelize(self.model, self.mesh, mixed_precision)
         self.ref = None
         if algo.kl_coef > 0:  # the reference costs a model's memory and a forward per step: only when used
             self.ref = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
+            if device is not None:
+                self.ref.to(device)
+            parallelize(self.ref, self.mesh, mixed_precision)
+        self.device = next(self.model.parameters()).device
+        for p in self._tensors("params") + self._tensors("ref"):
+            residency.ensure_resizable(p)  # offload frees storages in place; a memory-mapped one cannot be
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # fused: one kernel over all parameters instead of ~10 Python-dispatched ops per tensor (CPU and CUDA)
+        # fused: one kernel over all parameters instead of ~10 Python-dispatched ops per tensor (CPU and CUDA);
+        # it takes FSDP's DTensor parameters as well (their local shards are what it updates).
         fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                            weight_decay=optim.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_optimizer_steps))
         self.loss_params = LossParams(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
                                       seq_clip_low=algo.gspo_clip_low, seq_clip_high=algo.gspo_clip_high)
+        self.offloader = Offloader(self.device, offload_bucket_bytes)
+        for group in ("params", "grads", "optim", "ref"):
+            self.offloader.register(group, lambda g=group: self._tensors(g))
+        self.residency_report: dict[str, dict[str, int]] = {}
 
-    def named_weights(self):
-        return ((n, p.detach()) for n, p in self.model.named_parameters())
+    # ------------------------------------------------------------------ data parallel layout
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size() if self.mesh is not None else 1
+
+    def _dp_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        if self.mesh is not None and self.dp_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
+        return t
+
+    def _pad_counts(self, counts: list[int]) -> list[int]:
+        """How many passes each mini-batch needs on every rank: the max over dp of each one's micro-batch count."""
+        if self.mesh is None:
+            return counts
+        import torch.distributed as dist
+
+        n = self._dp_reduce(torch.tensor([len(counts), -len(counts)], dtype=torch.float64), dist.ReduceOp.MAX)
+        if int(n[0]) != -int(n[1]):
+            raise ValueError(f"data-parallel ranks hold different numbers of mini-batches ({-int(n[1])}..{int(n[0])}); "
+                             "every rank needs the same count (an empty one is fine)")
+        c = self._dp_reduce(torch.tensor(counts, dtype=torch.float64), dist.ReduceOp.MAX)
+        return [int(x) for x in c.tolist()]
+
+    def _padded(self, mbs: list[MicroBatch], n: int) -> list[MicroBatch]:
+        return list(mbs) + [dummy_micro_batch() for _ in range(n - len(mbs))]
+
+    # ------------------------------------------------------------------ offload
+
+    def _tensors(self, group: str) -> list[torch.Tensor]:
+        if group == "params":
+            return list(self.model.parameters())
+        if group == "ref":
+            return list(self.ref.parameters()) if self.ref is not None else []
+        if group == "grads":
+            return [p.grad for p in self.model.parameters() if p.grad is not None]
+        if group == "optim":
+            return [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        raise ValueError(f"offload: unknown group {group!r}; groups are params, grads, optim, ref")
+
+    def offload(self, *groups: str) -> int:
+        """Move these groups (params, grads, optim, ref) to host memory; their device storage is freed."""
+        return self.offloader.offload(*groups)
+
+    def load(self, *groups: str) -> int:
+        """Bring offloaded groups back to the device (the same tensor objects, contents restored)."""
+        return self.offloader.load(*groups)
+
+    def residency(self, phase: str | None = None) -> dict[str, int]:
+        """Device bytes per group now; recorded under `phase` in `residency_report` when one is named."""
+        now = self.offloader.resident_bytes()
+        if phase is not None:
+            self.residency_report[phase] = now
+        return now
+
+    def named_weights(self, bucket_bytes: int = 256 << 20):
+        """(HF name, full tensor) of every parameter. With a mesh it gathers (collective: every rank iterates it)."""
+        if self.mesh is None:
+            return ((n, p.detach()) for n, p in self.model.named_parameters())
+        return (item for bucket in self.weight_buckets(bucket_bytes) for item in bucket)
+
+    def weight_buckets(self, bucket_bytes: int = 256 << 20):
+        """Full weights in buckets of about `bucket_bytes` (the plain weight-sync path); see parallel.full_weights."""
+        from tandem.train.parallel import full_weights
+
+        return full_weights(self.model, bucket_bytes)
 
     def on_policy(self, n_mini_batches: int) -> bool:
         """True when the only update is the first: its own forward, detached, is the old policy's logprobs."""
@@ -89,12 +188,15 @@ class Policy:
     def prepare(self, mini_batches: list[list[MicroBatch]]) -> tuple[dict[str, float], list[float]]:
         """Old-policy logprobs (when updates go off-policy) and reference logprobs (when KL is on).
 
-        Returns stats sums and, with `kl_in_reward`, each sequence's penalty coef * sum_t KL (by row index).
+        Returns stats sums (this rank's rows; `update` reduces them over dp) and, with `kl_in_reward`, each
+        sequence's penalty coef * sum_t KL, in row order; with a mesh, of every dp rank's rows (gathered).
         """
         sums: dict[str, float] = defaultdict(float)
         old = not self.on_policy(len(mini_batches))
         penalties: dict[int, float] = {}
-        for mb in (mb for mbs in mini_batches for mb in mbs):
+        local = [mb for mbs in mini_batches for mb in mbs]
+        (n,) = self._pad_counts([len(local)])
+        for mb in self._padded(local, n):
             if old:
                 mb.old_logprobs, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
                 self._first_pass_stats(mb, mb.old_logprobs, ent, sums)
@@ -105,6 +207,12 @@ class Policy:
                 for row, pen in zip(mb.rows, kl_reward_penalty(kl, mb.mask, self.algo.kl_coef).tolist()):
                     penalties[row] = pen
                 sums["kl"] += float((kl * mb.mask).sum())
+        if self.algo.kl_in_reward and self.mesh is not None and self.dp_size > 1:
+            import torch.distributed as dist
+
+            parts: list = [None] * self.dp_size
+            dist.all_gather_object(parts, penalties, group=self.mesh["dp"].get_group())
+            penalties = {row: pen for part in parts for row, pen in part.items()}
         return sums, [penalties[i] for i in sorted(penalties)]
 
     @staticmethod
@@ -116,21 +224,29 @@ class Policy:
         sums["logprob_diff_max"] = max(sums["logprob_diff_max"], float(diff.max()) if diff.numel() else 0.0)
 
     def update(self, mini_batches: list[list[MicroBatch]], sums: dict[str, float]) -> dict[str, float]:
-        """mu passes over the step's batch, one optimizer step per mini-batch; returns token-weighted stats."""
+        """mu passes over the step's batch, one optimizer step per mini-batch; returns token-weighted stats.
+
+        With a mesh every dp rank passes its own rows (the same number of mini-batches on every rank, some may be
+        empty) and gets the same stats back.
+        """
         a = self.algo
         on_policy = self.on_policy(len(mini_batches))
         sums = defaultdict(float, sums)
-        tokens = sum(mb.tokens for mbs in mini_batches for mb in mbs)
         loss_fn, agg = POLICY_LOSSES[a.policy_loss], AGGREGATIONS[a.loss_agg]
         kl_fn = KL_ESTIMATORS[a.kl_estimator]
         kl_in_loss = self.ref is not None and not a.kl_in_reward
+        # Normalizers of each mini-batch count all its rows, on every rank: (tokens, sequences), summed over dp.
+        totals = torch.tensor([[sum(mb.tokens for mb in mbs), sum(int((mb.mask.sum(-1) > 0).sum()) for mb in mbs)]
+                               for mbs in mini_batches], dtype=torch.float64).view(-1, 2)
+        passes_per_mini = self._pad_counts([len(mbs) for mbs in mini_batches])
+        self._dp_reduce(totals)
+        tokens = int(totals[:, 0].sum())
         grad_norms, losses = [], []
         for epoch in range(a.mu):
-            for mbs in mini_batches:
-                total_tokens = sum(mb.tokens for mb in mbs)
-                total_seqs = sum(int((mb.mask.sum(-1) > 0).sum()) for mb in mbs)
+            for j, mbs in enumerate(mini_batches):
+                total_tokens, total_seqs = int(totals[j, 0]), int(totals[j, 1])
                 step_loss = 0.0
-                for mb in mbs:
+                for mb in self._padded(mbs, passes_per_mini[j]):
                     need_entropy = on_policy or a.entropy_coef > 0
                     logp, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=need_entropy,
                                                entropy_grad=a.entropy_coef > 0)
@@ -149,16 +265,20 @@ class Policy:
                     if a.entropy_coef > 0:
                         loss_tok = loss_tok + entropy_loss_term(ent, mb.mask, a.entropy_coef)
                     loss = agg(loss_tok, mb.mask, total_tokens, total_seqs, self.max_new_tokens)
-                    loss.backward()
+                    # FSDP averages gradients over dp, but each rank's loss is already its share of the global loss
+                    # (global normalizers): scale by dp so they add up. (Its divide factor would do the same via
+                    # PREMUL_SUM, which gloo lacks.)
+                    (loss * self.dp_size if self.dp_size > 1 else loss).backward()
                     step_loss += float(loss.detach())
                     sums["clip_frac"] += float((m["clip_frac"] * mb.mask).sum())
                     sums["ratio"] += float((m["ratio"] * mb.mask).sum())
                 clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
+                grad_norms.append(self._clip(clip))
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 losses.append(step_loss)
+        losses, sums = self._reduce_stats(losses, sums)
         passes = max(a.mu * tokens, 1)
         stats = {
             "loss": sum(losses) / len(losses),
@@ -174,11 +294,108 @@ class Policy:
             stats["kl"] = sums["kl"] / (max(tokens, 1) if a.kl_in_reward else passes)
         if a.tis_cap is not None:
             stats["tis_capped_frac"] = sums["tis_capped"] / passes
+        self.last_losses = losses  # each optimizer step's loss (the global loss with a mesh)
         return stats
 
+    def _clip(self, max_norm: float) -> float:
+        if self.mesh is None:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        from tandem.train.parallel import clip_grad_norm
+
+        return clip_grad_norm(self.params, max_norm)
+
+    def _reduce_stats(self, losses: list[float], sums: dict[str, float]) -> tuple[list[float], dict[str, float]]:
+        """Each optimizer step's loss and the stat sums over all dp ranks (each rank's are its rows' shares)."""
+        if self.mesh is None or self.dp_size == 1:
+            return losses, sums
+        import torch.distributed as dist
+
+        t = self._dp_reduce(torch.tensor(losses + [sums.get(k, 0.0) for k in _SUM_STATS], dtype=torch.float64))
+        mx = self._dp_reduce(torch.tensor([sums.get("logprob_diff_max", 0.0)], dtype=torch.float64), dist.ReduceOp.MAX)
+        out = defaultdict(float, sums)
+        out.update(zip(_SUM_STATS, t[len(losses):].tolist()))
+        out["logprob_diff_max"] = float(mx[0])
+        return t[:len(losses)].tolist(), out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _layout(self) -> dict[str, int]:
+        if self.mesh is None:
+            return {"dp": 1, "tp": 1, "dp_rank": 0, "tp_rank": 0}
+        return {"dp": self.dp_size, "tp": self.mesh["tp"].size(), "dp_rank": self.dp_rank,
+                "tp_rank": self.mesh["tp"].get_local_rank()}
+
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer and schedule state of this rank: with a mesh, its own shards (plain tensors, no collective).
+
+        Resuming needs the same (dp, tp) layout and each rank loading its own file; `load_state_dict` checks.
+        """
+        opt = self.optimizer.state_dict()
+        opt["state"] = {i: {k: residency.local(v).clone() if hasattr(v, "_local_tensor") else v for k, v in st.items()}
+                        for i, st in opt["state"].items()}
+        return {"optimizer": opt, "scheduler": self.scheduler.state_dict(), "layout": self._layout()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved, now = state.get("layout", {"dp": 1, "tp": 1, "dp_rank": 0, "tp_rank": 0}), self._layout()
+        if saved != now:
+            raise ValueError(f"optimizer state was saved with layout {saved}, this rank has {now}: resuming needs the "
+                             "same parallel.dp / parallel.tp and each rank its own file (the model weights load at "
+                             "any layout; only the optimizer's shards do not)")
+        opt = dict(state["optimizer"])
+        if self.mesh is not None:
+            from torch.distributed.tensor import DTensor
+
+            # Re-wrap each saved shard as a DTensor laid out like its parameter, as the optimizer holds them.
+            wrapped = {}
+            for i, st in opt["state"].items():
+                p = self.params[int(i)]
+                wrapped[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                                    stride=p.stride())
+                              if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.to_local().shape
+                              and k != "step" else v for k, v in st.items()}
+            opt["state"] = wrapped
+        self.optimizer.load_state_dict(opt)
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights as CPU tensors with HF names (tied names included, as `state_dict` has them).
+
+        With a mesh this is a collective (every rank calls it) and every rank gets the full dict.
+        """
+        if self.mesh is None:
+            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from tandem.train.parallel import hf_name
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {hf_name(k): v.detach().cpu() for k, v in sd.items()}
+
+    def load_full_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load full HF weights (every rank passes the whole dict) into the model, sharded or not.
+
+        A tied name absent from `weights` (HF checkpoints store a tied LM head once) is fine; any other missing or
+        unexpected name is an error.
+        """
+        tied = self._tied_names()
+        if self.mesh is None:
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            # a copy: set_model_state_dict replaces the dict's values with sharded ones, in place
+            missing, unexpected = set_model_state_dict(self.model, dict(weights),
+                                                       options=StateDictOptions(full_state_dict=True, strict=False))
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise ValueError(f"load_full_state_dict: missing {missing}, unexpected {list(unexpected)}")
+
+    def _tied_names(self) -> set[str]:
+        """Names that alias an earlier parameter (a tied LM head)."""
+        first: dict[int, str] = {}
+        tied = set()
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                tied.add(n)
+            first.setdefault(id(p), n)
+        return tied

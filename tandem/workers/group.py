@@ -29,6 +29,34 @@ class WorkerError(RuntimeError):
     """A worker failed; the message names the worker and the method (the phase) it was running."""
 
 
+class Pending(Protocol):
+    """A call in flight on every worker of a group (asynchronous sampling overlaps it with training)."""
+
+    def done(self) -> bool:
+        """Whether `get` would return (or raise) at once."""
+        ...
+
+    def get(self, timeout: float | None = None) -> list[Any]:
+        """One result per worker, in rank order; raises WorkerError if a worker failed, TimeoutError if
+        `timeout` seconds pass first (the call keeps running)."""
+        ...
+
+
+class Completed:
+    """A Pending that finished when it was made: the local backend runs calls eagerly."""
+
+    def __init__(self, results: list[Any] | None = None, error: WorkerError | None = None):
+        self.results, self.error = results, error
+
+    def done(self) -> bool:
+        return True
+
+    def get(self, timeout: float | None = None) -> list[Any]:
+        if self.error is not None:
+            raise self.error
+        return list(self.results or [])
+
+
 class WorkerGroup(Protocol):
     size: int
 
@@ -38,6 +66,14 @@ class WorkerGroup(Protocol):
 
     def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
         """Run `method(*per_worker_args[rank])` on each worker; one result per worker, in rank order."""
+        ...
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Pending:
+        """Start `call(method, ...)` and return at once; `call` is `submit(...).get()`."""
+        ...
+
+    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> Pending:
+        """Start `call_each(method, ...)` and return at once."""
         ...
 
     def shutdown(self) -> None:
@@ -66,6 +102,18 @@ class LocalWorkerGroup:
         if len(per_worker_args) != self.size:
             raise ValueError(f"call_each({method}): {len(per_worker_args)} argument tuples for {self.size} workers")
         return [self._run(r, method, tuple(a), {}) for r, a in enumerate(per_worker_args)]
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Completed:
+        try:
+            return Completed(self.call(method, *args, **kwargs))
+        except WorkerError as exc:
+            return Completed(error=exc)
+
+    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> Completed:
+        try:
+            return Completed(self.call_each(method, per_worker_args))
+        except WorkerError as exc:
+            return Completed(error=exc)
 
     def shutdown(self) -> None:
         for w in self.workers:

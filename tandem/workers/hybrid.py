@@ -1,120 +1,99 @@
-"""The hybrid worker: one process's policy, reference and rollout engine, used in turn (generate, train, sync)."""
+"""The hybrid worker: one process's policy shard, reference and rollout engine, used in turn, idle side offloaded."""
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
-from tandem.algo import truncation_mask
 from tandem.config import Config
-from tandem.modeling import load_tokenizer
-from tandem.rollout import Completion, Sampling, make_engine
+from tandem.rollout import Sampling, make_engine
 from tandem.sync.local import push_weights
-from tandem.train.batch import make_micro_batches
-from tandem.train.policy import Policy
 from tandem.workers.group import WorkerContext
+from tandem.workers.rollout import Generated, engine_args
+from tandem.workers.train import TrainWorker
+
+# What must be on the compute device in each phase (the rest may be offloaded):
+# generate: the engine; logprobs: policy params + reference; update: policy params, grads, optimizer state;
+# sync: policy params (source) + engine (destination).
+PHASES = {
+    "generate": {"engine"},
+    "logprobs": {"params", "ref"},
+    "update": {"params", "grads", "optim"},
+    "sync": {"params", "engine"},
+}
 
 
-def engine_args(cfg: Config) -> tuple[str, dict]:
-    """The engine's name and constructor arguments from the config."""
-    m, r = cfg.model, cfg.rollout
-    if r.engine == "hf":
-        return "hf", dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, trust_remote_code=m.trust_remote_code)
-    v = r.vllm
-    kwargs = dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, max_model_len=v.max_model_len or None,
-                  kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,
-                  sync_bucket_mb=r.sync_bucket_mb, enable_sleep=v.enable_sleep,
-                  enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=v.tensor_parallel_size)
-    if v.mode == "server":
-        return "vllm_server", dict(kwargs, base_url=v.base_url or None, python=v.python or sys.executable)
-    rows = cfg.batch.prompts_per_step * cfg.batch.group_size
-    return "vllm", dict(kwargs, sleep_level=v.sleep_level, max_num_seqs=v.max_num_seqs or rows,
-                        max_num_batched_tokens=v.max_num_batched_tokens or None)
+class HybridWorker(TrainWorker):
+    """Colocated placement: generate -> logprobs -> update -> sync weights, all in this process.
 
+    With offload on, each phase first moves what it does not need off the device (bucket by bucket) and brings
+    in what it needs, so the peak is the largest phase, not the sum of three models. Bytes resident per phase are
+    metrics (`memory/<phase>_bytes`).
+    """
 
-class HybridWorker:
     def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
-        self.cfg, self.ctx = cfg, ctx or WorkerContext()
-        m = cfg.model
-        self.tokenizer = load_tokenizer(m.path, m.trust_remote_code)
-        total_opt_steps = cfg.run.steps * cfg.algo.mu * cfg.batch.mini_batches
-        torch.manual_seed(cfg.run.seed)
-        self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
-                             cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+        super().__init__(cfg, ctx)
         name, kwargs = engine_args(cfg)
         self.engine = make_engine(name, **kwargs)
-        self.pad_id = self.tokenizer.pad_token_id
+        pl = cfg.placement
+        self.offload = pl.offload == "on" or (pl.offload == "auto" and self.ctx.device != "cpu")
+        self.version = 0
+        self._resident: dict[str, int] = {}
+        self._engine_awake = True
+        self._plan = None
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
-        return self.engine.generate(prompts, sampling)
+    def _enter(self, phase: str) -> None:
+        """Make the device hold exactly what `phase` needs (when offloading); record the bytes resident."""
+        if self.offload:
+            need = PHASES[phase]
+            if "engine" not in need and self._engine_awake:
+                self.engine.sleep()
+                self._engine_awake = False
+            self.policy.offload(*(g for g in ("params", "grads", "optim", "ref") if g not in need))
+            self.policy.load(*(g for g in ("params", "grads", "optim", "ref") if g in need))
+            if "engine" in need and not self._engine_awake:
+                self.engine.wake()  # contents undefined until the sync below writes them
+                self._engine_awake = True
+        self._resident[phase] = sum(self.policy.residency(phase).values()) + self._engine_bytes()
 
-    def prepare(self, completions: list[Completion]) -> list[float]:
-        """Lay the step's completions out for training and score old/reference logprobs.
+    def _engine_bytes(self) -> int:
+        resident = getattr(self.engine, "resident_bytes", None)
+        return int(resident()) if resident else 0
 
-        The batch is split by prompt group into mini-batches (one optimizer step each), each packed into
-        micro-batches by token budget. Returns each completion's KL penalty when `algo.kl_in_reward` is on.
-        """
-        b, a = self.cfg.batch, self.cfg.algo
-        groups = sorted({c.prompt_index for c in completions})
-        per = -(-len(groups) // b.mini_batches)
-        zeros = torch.zeros(len(completions))
-        self._mini = []
-        for j in range(b.mini_batches):
-            keep = set(groups[j * per:(j + 1) * per])
-            subset = [i for i, c in enumerate(completions) if c.prompt_index in keep]
-            if subset:
-                self._mini.append(make_micro_batches(completions, zeros, b.micro_batch_tokens, self.pad_id, subset))
-        if a.mask_truncated:
-            keep_rows = truncation_mask(torch.tensor([c.truncated for c in completions]))
-            for mb in (mb for mbs in self._mini for mb in mbs):
-                mb.mask = mb.mask * keep_rows[mb.rows].unsqueeze(-1)
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Generated:
+        self._enter("generate")
         start = time.perf_counter()
-        self._sums, penalties = self.policy.prepare(self._mini)
-        self._t_logprobs = time.perf_counter() - start
-        return penalties
+        comps = self.engine.generate(prompts, sampling)
+        return Generated(comps, self.version, time.perf_counter() - start)
 
-    def train(self, advantages: torch.Tensor) -> dict[str, float]:
-        """Update the policy on the prepared batch with these per-completion advantages."""
-        for mb in (mb for mbs in self._mini for mb in mbs):
-            mb.advantages = advantages[mb.rows].float()
-        start = time.perf_counter()
-        stats = self.policy.update(self._mini, self._sums)
-        stats["time/update"] = time.perf_counter() - start
-        stats["time/logprobs"] = self._t_logprobs
-        self._mini = []
+    def prepare(self, completions) -> list[float]:
+        self._enter("logprobs")
+        return super().prepare(completions)
+
+    def train(self, advantages):
+        self._enter("update")
+        stats = super().train(advantages)
+        stats.update({f"memory/{p}_bytes": float(b) for p, b in self._resident.items()})
         return stats
 
-    def sync_weights(self) -> dict:
-        return push_weights(self.policy.named_weights(), self.engine)
+    def sync_weights(self, version: int) -> dict:
+        """Policy weights (`version` = updates so far) into this worker's engine: a copy in one process, a planned
+        reshard across several."""
+        self._enter("sync")
+        self.version = version
+        if self.mesh is None:
+            return push_weights(self.policy.named_weights(), self.engine)
+        from tandem.sync.layout import replicated_layout
+        from tandem.sync.planner import plan
+        from tandem.sync.reshard import reshard_iter
 
-    def save(self, folder: str) -> None:
-        """The policy in Hugging Face format (loadable as is), the tokenizer, and the optimizer/schedule state."""
-        self.policy.model.save_pretrained(folder, safe_serialization=True)
-        self.tokenizer.save_pretrained(folder)
-        torch.save(self.policy.state_dict(), Path(folder) / "optimizer.pt")
-
-    def load(self, folder: str) -> None:
-        weights = {}
-        for shard in sorted(Path(folder).glob("*.safetensors")):
-            weights.update(load_file(str(shard)))
-        missing, unexpected = self.policy.model.load_state_dict(weights, strict=False)
-        if unexpected or [k for k in missing if k not in self._tied_names()]:
-            raise ValueError(f"checkpoint {folder}: missing {missing}, unexpected {unexpected}")
-        self.policy.load_state_dict(torch.load(Path(folder) / "optimizer.pt", weights_only=False))
-        self.sync_weights()
-
-    def _tied_names(self) -> set[str]:
-        named = dict(self.policy.model.named_parameters(remove_duplicate=False))
-        first = {}
-        tied = set()
-        for n, p in named.items():
-            if id(p) in first:
-                tied.add(n)
-            first.setdefault(id(p), n)
-        return tied
+        start = time.perf_counter()
+        if self._plan is None:  # the layouts never change during a run: plan once (every rank alike)
+            src = self.weight_layout()
+            shapes = {n: (p.shape, p.dtype) for n, p in src.items()}
+            self._plan = plan(src, replicated_layout(shapes, self.ctx.group_ranks[self.ctx.name]))
+        for bucket in reshard_iter(self._plan, self.ctx.global_rank, self.local_weights(),
+                                   bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20):
+            self.engine.load_weights(bucket)
+        return {"seconds": time.perf_counter() - start, "bytes": self._plan.bytes_moved}
 
     def close(self) -> None:
         self.engine.close()

@@ -1,0 +1,81 @@
+"""Split placement, sync vs async schedule: seconds per step and reward after the same steps, one core per side.
+
+    .venv/bin/python bench/bench_async.py [--steps 24] [--warmup 4] [--new-tokens 6]
+
+The same GRPO run (the demo model and task, 1 trainer + 1 sampler as Ray actors, 1 CPU and 1 torch thread each)
+twice: `schedule: sync` (the sampler waits while the trainer trains and the other way round) and `schedule:
+async` with `max_staleness: 1` (the sampler works on the next batch while the trainer trains). Prints the median
+seconds per step after warm-up, the mean trainer and sampler idle time per step, the reward over the last steps
+and held-out greedy accuracy at the end; then the ratio async / sync (target <= 0.6 for the step time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run(schedule: str, steps: int, out: Path, model: str, extra: list[str]) -> list[dict]:
+    from tandem.cli import DEMO_DEFAULTS
+    from tandem.config import load_config
+    from tandem.trainer import train
+
+    cfg = load_config(None, [
+        f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", "run.eval_every=0",
+        f"run.save_every={steps}", "run.progress=false", "run.plots=false", "run.tensorboard=false",
+        "data.eval_size=200", "placement.mode=split", "placement.backend=ray", "placement.train_workers=1",
+        "placement.rollout_workers=1", "placement.cpus_per_worker=1", f"placement.schedule={schedule}",
+        "placement.max_staleness=1", "reward_pool.workers=0", *extra], DEMO_DEFAULTS)
+    train(cfg)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4, help="steps left out of the timing (start-up, first syncs)")
+    p.add_argument("--last", type=int, default=8, help="steps whose mean reward is reported")
+    p.add_argument("overrides", nargs="*", help="extra config overrides for both runs (e.g. rollout.max_new_tokens=12)")
+    args = p.parse_args()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from tandem.demo import demo_model
+
+    model = str(demo_model())
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-async-") as tmp:
+        for schedule in ("sync", "async"):
+            t0 = time.perf_counter()
+            hist = run(schedule, args.steps, Path(tmp) / schedule, model, args.overrides)
+            steps = [h for h in hist if h["step"] > args.warmup and "time/step" in h]
+            last = [h for h in hist if h["step"] > args.steps - args.last and "reward/mean" in h]
+            final = [h for h in hist if "eval/accuracy" in h][-1]
+            rows[schedule] = {
+                "s/step": statistics.median(h["time/step"] for h in steps),
+                "trainer idle": statistics.mean(h["time/rollout"] for h in steps),
+                "sampler idle": statistics.mean(h.get("time/sampler_idle", 0.0) for h in steps),
+                "staleness": max(h.get("async/staleness", 0) for h in steps),
+                "reward (last)": statistics.mean(h["reward/mean"] for h in last),
+                "eval acc": final["eval/accuracy"],
+                "wall s": time.perf_counter() - t0,
+            }
+    print(f"\nsplit placement, 1 trainer + 1 sampler (1 CPU, 1 torch thread each), {args.steps} steps, "
+          f"timing steps > {args.warmup}, load {os.getloadavg()[0]:.2f}")
+    cols = list(rows["sync"])
+    print(f"{'schedule':<10}" + "".join(f"{c:>15}" for c in cols))
+    for name, r in rows.items():
+        print(f"{name:<10}" + "".join(f"{r[c]:>15.3f}" for c in cols))
+    ratio = rows["async"]["s/step"] / rows["sync"]["s/step"]
+    print(f"async / sync step time: {ratio:.2f} (target <= 0.60)")
+
+
+if __name__ == "__main__":
+    main()

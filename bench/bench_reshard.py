@@ -1,0 +1,170 @@
+"""Online resharding (tandem.sync): planned point-to-point moves against all-gather-then-slice and a disk round trip.
+
+    .venv/bin/python bench/bench_reshard.py [--hidden 512] [--layers 4] [--vocab 4096] [--repeats 5] [--bucket-mb 64]
+
+4 gloo processes on loopback, one torch thread each, a Qwen2-shaped fp32 parameter set (fused qkv / gate_up).
+For every case: bytes moved over the lower bound (the planner's target is exactly 1.00); the median time of the
+planned reshard; the naive path (all_gather every parameter's local shards onto every rank, then slice) in time
+and bytes; and a disk round trip (rank 0 saves the full model with safetensors, every rank loads it and slices;
+the full model is assumed already on rank 0, and the page cache is warm, both in the disk path's favour).
+Times are the slowest rank's, median of --repeats after one warm-up. Every result is checked bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tandem.sync.layout import (Mesh, ModelLayout, Qwen2Shape, Spec, build_layout, local_tensor,  # noqa: E402
+                                numel, replicated_layout, slices)
+from tandem.sync.planner import plan  # noqa: E402
+from tandem.sync.reshard import reshard  # noqa: E402
+
+WORLD = 4
+
+
+def cases(dense: Qwen2Shape, moe: Qwen2Shape) -> dict[str, tuple[ModelLayout, ModelLayout]]:
+    p, pm = dense.params(), moe.params()
+    dp2tp2 = Mesh.of(dp=2, tp=2)
+    return {
+        "dp1tp2pp2 -> dp2tp2": (build_layout(p, Mesh.of(pp=2, tp=2), dense.spec(pp=2)), build_layout(p, dp2tp2, dense.spec())),
+        "dp1tp4 -> dp2tp2": (build_layout(p, Mesh.of(tp=4), dense.spec()), build_layout(p, dp2tp2, dense.spec())),
+        # the same, with destination ranks numbered dp fastest: rank r's quarter lies inside its new half
+        "dp1tp4 -> dp2tp2 (dp-fastest ranks)": (build_layout(p, Mesh.of(tp=4), dense.spec()),
+                                                build_layout(p, Mesh.of(dp=2, tp=2, order=("pp", "cp", "ep", "tp", "dp")), dense.spec())),
+        "dp1tp2cp2 -> dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), dense.spec()), build_layout(p, dp2tp2, dense.spec())),
+        "dp1tp2ep2 -> dp2tp2 (MoE)": (build_layout(pm, Mesh.of(ep=2, tp=2), moe.spec(ep=2)), build_layout(pm, dp2tp2, moe.spec())),
+        "fsdp4 -> tp2dp2": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), build_layout(p, dp2tp2, dense.spec())),
+        "fsdp4 -> 4 replicas (colocated)": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), replicated_layout(p, range(4))),
+        "fsdp ranks 0,1 -> replicas 2,3": (build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")), replicated_layout(p, [2, 3])),
+    }
+
+
+def naive(rank: int, src: ModelLayout, dst: ModelLayout, mine: dict[str, torch.Tensor]) -> tuple[dict, int]:
+    """All-gather every parameter's local shards (padded to the largest) onto every rank, rebuild it, slice."""
+    out, traffic = {}, 0
+    for name, pl in src.items():
+        sizes = [numel(tuple((0, n) for n in pl.shards[r].shape)) if r in pl.shards else 0 for r in range(WORLD)]
+        most = max(sizes)
+        buf = torch.zeros(most, dtype=pl.dtype)
+        if rank in pl.shards:
+            buf[:sizes[rank]] = mine[name].reshape(-1)
+        parts = [torch.empty(most, dtype=pl.dtype) for _ in range(WORLD)]
+        dist.all_gather(parts, buf)
+        traffic += WORLD * (WORLD - 1) * most * pl.dtype.itemsize
+        if rank in dst[name].shards:
+            full = torch.empty(pl.shape, dtype=pl.dtype)
+            for r, shard in pl.shards.items():
+                local = parts[r][:sizes[r]].view(shard.shape)
+                for piece in shard.pieces:
+                    full[slices(piece.box)] = piece.view(local)
+            out[name] = local_tensor(dst[name], rank, full)
+    return out, traffic
+
+
+def disk(rank: int, dst: ModelLayout, full: dict[str, torch.Tensor], folder: str) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    if rank == 0:
+        save_file(full, path)
+    dist.barrier()
+    loaded = load_file(path)
+    out = {n: local_tensor(pl, rank, loaded[n]) for n, pl in dst.items() if rank in pl.shards}
+    del loaded
+    dist.barrier()  # nobody overwrites the file while another rank still reads it
+    return out
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    """Median over repeats (after a warm-up) of the slowest rank's seconds."""
+    times, result = [], None
+    for i in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        result = fn()
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        if i:
+            times.append(float(took))
+    return statistics.median(times), result
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
+    torch.set_num_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    dense = Qwen2Shape(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4,
+                       intermediate=args.intermediate)
+    moe = Qwen2Shape(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4,
+                     intermediate=args.intermediate // 4, experts=4)
+    rows = []
+    for name, (src, dst) in cases(dense, moe).items():
+        g = torch.Generator().manual_seed(0)
+        full = {n: torch.randn(pl.shape, generator=g) for n, pl in src.items()}
+        mine = {n: local_tensor(pl, rank, full[n]) for n, pl in src.items() if rank in pl.shards}
+        want = {n: local_tensor(pl, rank, full[n]) for n, pl in dst.items() if rank in pl.shards}
+        start = time.perf_counter()
+        p = plan(src, dst)
+        plan_s = time.perf_counter() - start
+        t_plan, got = timed(lambda: reshard(p, rank, mine, bucket_bytes=args.bucket_mb << 20), args.repeats)
+        t_naive, (got_naive, naive_bytes) = timed(lambda: naive(rank, src, dst, mine), args.repeats)
+        t_disk, got_disk = timed(lambda: disk(rank, dst, full, folder), args.repeats)
+        ok = all(torch.equal(r[n], w) for r in (got, got_naive, got_disk) for n, w in want.items())
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        model_mb = sum(t.numel() * t.element_size() for t in full.values()) / 2**20
+        rows.append((name, model_mb, p.bytes_moved, p.lower_bound, plan_s, t_plan, t_naive, naive_bytes, t_disk, bool(flag)))
+    if rank == 0:
+        print(f"\nresharding: {WORLD} gloo processes on loopback, torch threads={args.threads} each, fp32, "
+              f"bucket {args.bucket_mb} MiB, median of {args.repeats} (slowest rank)")
+        head = (f"{'case':<38} {'model':>6} {'moved':>7} {'moved/':>7} {'plan':>6} {'reshard':>8} {'naive':>8} "
+                f"{'naive/':>7} {'naive/':>7} {'disk':>8} {'disk/':>7} {'exact':>5}")
+        sub = (f"{'':<38} {'MiB':>6} {'MiB':>7} {'lower':>7} {'ms':>6} {'ms':>8} {'ms':>8} "
+               f"{'time':>7} {'bytes':>7} {'ms':>8} {'time':>7} {'':>5}")
+        print(head)
+        print(sub)
+        print("-" * len(head))
+        for name, mb, moved, lower, plan_s, tp, tn, nb, td, ok in rows:
+            ratio = moved / lower if lower else 1.0  # nothing to move and nothing moved: exact
+            less = f"{nb / moved:>6.1f}x" if moved else f"{'all':>7}"  # "all": the plan moves nothing at all
+            print(f"{name:<38} {mb:>6.1f} {moved / 2**20:>7.1f} {ratio:>7.2f} {plan_s * 1e3:>6.1f} {tp * 1e3:>8.1f} "
+                  f"{tn * 1e3:>8.1f} {tn / tp:>6.1f}x {less} {td * 1e3:>8.1f} {td / tp:>6.1f}x "
+                  f"{'yes' if ok else 'NO':>5}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process; 1 is steadiest on 2 shared cores")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-reshard-") as folder:
+        os.environ["TMPDIR"] = folder
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(worker, args=(port, args, folder), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main()

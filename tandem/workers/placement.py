@@ -1,0 +1,132 @@
+"""Placement: the controller's one view of its workers, colocated hybrids or split trainers and samplers."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tandem.config import Config
+from tandem.rollout import Completion, Sampling
+from tandem.workers.balance import balance
+from tandem.workers.group import LocalWorkerGroup, WorkerGroup
+from tandem.workers.hybrid import HybridWorker
+from tandem.workers.rollout import Generated, RolloutWorker
+from tandem.workers.train import TrainWorker
+
+
+@dataclass
+class Rollout:
+    """A finished rollout: completions in prompt order (global prompt indices) and how they were made."""
+
+    completions: list[Completion]
+    version: int  # the oldest policy version among the samplers' shares
+    seconds: float  # the slowest sampler's generation time
+    idle_seconds: float  # the samplers' idle time before this work, summed
+    load_seconds: float  # weight loads done at its start, the slowest
+
+
+@dataclass
+class PendingRollout:
+    pending: Any
+    shares: list[list[int]]
+
+    def get(self) -> Rollout:
+        parts: list[Generated] = self.pending.get()
+        out: list[Completion] = []
+        for share, part in zip(self.shares, parts):
+            for c in part.completions:
+                c.prompt_index = share[c.prompt_index]
+                c.meta["policy_version"] = part.version
+                out.append(c)
+        out.sort(key=lambda c: c.prompt_index)  # stable: a group's samples keep their order
+        busy = [p for p in parts if p.completions or p.seconds]
+        return Rollout(out, min((p.version for p in busy), default=0), max((p.seconds for p in parts), default=0.0),
+                       sum(p.idle_seconds for p in parts), max((p.load_seconds for p in parts), default=0.0))
+
+
+@dataclass
+class Placement:
+    trainers: WorkerGroup
+    samplers: WorkerGroup  # the same group as `trainers` when colocated
+    split: bool
+    expected_completion_tokens: float = 0.0  # running estimate used to balance prompts over samplers
+    _owned: list = field(default_factory=list)
+
+    def submit_generate(self, prompts: list[list[int]], sampling: Sampling) -> PendingRollout:
+        """Spread prompts over the samplers so they finish together: balanced by expected tokens, not count."""
+        expect = self.expected_completion_tokens or sampling.max_new_tokens
+        costs = [sampling.n * (len(p) + expect) for p in prompts]
+        shares = balance(costs, self.samplers.size)
+        pending = self.samplers.submit_each("generate", [([prompts[i] for i in s], sampling) for s in shares])
+        return PendingRollout(pending, shares)
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Rollout:
+        return self.submit_generate(prompts, sampling).get()
+
+    def observe_lengths(self, lengths: torch.Tensor) -> None:
+        mean = float(lengths.float().mean())
+        e = self.expected_completion_tokens
+        self.expected_completion_tokens = mean if not e else 0.7 * e + 0.3 * mean
+
+    def prepare(self, completions: list[Completion]) -> list[float]:
+        return self.trainers.call("prepare", completions)[0]
+
+    def train(self, advantages: torch.Tensor) -> dict[str, float]:
+        return self.trainers.call("train", advantages)[0]
+
+    def sync_weights(self, version: int) -> dict:
+        """New policy weights to every engine: inside each hybrid worker, or trainers -> samplers (no disk)."""
+        if not self.split:
+            return self.trainers.call("sync_weights", version)[0]
+        sent = self.trainers.submit("send_weights", version)
+        got = self.samplers.submit_side("receive_weights", version)  # runs while a generate works
+        received = got.get()
+        stats = sent.get()[0]
+        return {"seconds": max([stats["seconds"]] + [r["seconds"] for r in received]), "bytes": stats["bytes"]}
+
+    def save(self, folder: str) -> None:
+        self.trainers.call("save", folder)
+
+    def load(self, folder: str, version: int) -> None:
+        self.trainers.call("load", folder)
+        self.sync_weights(version)
+
+    def shutdown(self) -> None:
+        for g in self._owned:
+            g.shutdown()
+
+
+def build(cfg: Config) -> Placement:
+    """Start the workers the config asks for and connect the weight path between them."""
+    pl = cfg.placement
+    if pl.backend == "local":
+        group = LocalWorkerGroup(functools.partial(HybridWorker, cfg), 1)
+        return Placement(group, group, split=False, _owned=[group])
+    from tandem.workers.ray_group import GroupSpec, start_groups
+
+    res = dict(cpus_per_worker=pl.cpus_per_worker, gpus_per_worker=pl.gpus_per_worker)
+    if pl.mode == "colocate":
+        (group,) = start_groups([GroupSpec("hybrid", functools.partial(HybridWorker, cfg), pl.workers, **res)],
+                                address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
+        group.call("sync_weights", 0)
+        return Placement(group, group, split=False, _owned=[group])
+    trainers, samplers = start_groups(
+        [GroupSpec("trainers", functools.partial(TrainWorker, cfg), pl.train_workers, **res),
+         GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res)],
+        address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
+    placement = Placement(trainers, samplers, split=True, _owned=[trainers])
+    try:
+        from tandem.sync.layout import replicated_layout
+        from tandem.sync.planner import plan
+
+        src = trainers.call("weight_layout")[0]
+        shapes = {n: (p.shape, p.dtype) for n, p in src.items()}
+        sync_plan = plan(src, replicated_layout(shapes, trainers.call("group_ranks")[0]["samplers"]))
+        trainers.call("set_sync_plan", sync_plan)
+        samplers.call("set_sync_plan", sync_plan)
+    except BaseException:
+        placement.shutdown()
+        raise
+    return placement

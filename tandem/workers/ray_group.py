@@ -1,0 +1,494 @@
+"""The `ray` worker-group backend: workers as Ray actors in placement groups, joined by one torch.distributed world."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from tandem.workers.group import WorkerContext, WorkerError
+
+CLOSE_TIMEOUT_S = 10.0  # a worker's close() is best effort: a hung one must not hang shutdown
+FAILURE_GRACE_S = 2.0  # after a first failure, how long the other workers' outcomes may take to arrive
+
+
+def import_ray() -> Any:
+    """Import Ray with this project's safe defaults (the caller's environment wins where it sets them)."""
+    # Read once, at import: without it Ray rewrites a loopback node address to the machine's external one.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Otherwise Ray 2.60 writes ~/.ray/auth_token on the first ray.init(); clusters that use tokens set their own.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no reports to the outside world
+    import ray
+
+    return ray
+
+
+# ---------------------------------------------------------------- the Ray session, shared by reference count
+
+_ray_lock = threading.Lock()
+_ray_users = 0  # holders of a Ray session that this module started (0: none started, or someone else's)
+
+
+def _acquire_ray(address: str | None, num_cpus: float | None, num_gpus: int | None, temp_dir: str | None,
+                 log_to_driver: bool, object_store_memory: int | None) -> bool:
+    """Make sure Ray is up; True when this module owns the session (then `_release_ray` must follow)."""
+    global _ray_users
+    ray = import_ray()
+    with _ray_lock:
+        if ray.is_initialized():
+            if _ray_users == 0:
+                return False  # the caller's own session: use it, never shut it down
+            _ray_users += 1
+            return True
+        if address is not None:
+            ray.init(address=address, log_to_driver=log_to_driver)
+        else:
+            folder = Path(temp_dir or Path(tempfile.gettempdir()) / "tandem-ray")
+            folder.mkdir(parents=True, exist_ok=True)
+            # address="local": never attach to another Ray found running on this machine (other users' sessions).
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address="127.0.0.1",
+                     include_dashboard=False, _temp_dir=str(folder), log_to_driver=log_to_driver,
+                     object_store_memory=object_store_memory,
+                     # Ray would pre-start one idle worker per CPU, which our actors never use (their runtime_env
+                     # differs): seconds of CPU on a small machine for nothing.
+                     _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
+        _ray_users = 1
+        return True
+
+
+def _release_ray() -> None:
+    global _ray_users
+    ray = import_ray()
+    with _ray_lock:
+        _ray_users -= 1
+        if _ray_users == 0:
+            ray.shutdown()
+
+
+@contextmanager
+def ray_session(*, address: str | None = None, num_cpus: float | None = None, num_gpus: int | None = None,
+                temp_dir: str | None = None, log_to_driver: bool = True,
+                object_store_memory: int | None = None) -> Iterator[None]:
+    """Hold one Ray session across several `start_groups` (each ray.init costs seconds); shut down on exit if
+    this opened it."""
+    owned = _acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
+    try:
+        yield
+    finally:
+        if owned:
+            _release_ray()
+
+
+# ---------------------------------------------------------------- what runs inside each actor
+
+def _loopback_ifname() -> str | None:
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+
+
+SIDE_LANE = "side"  # a second call lane per actor (see RayWorkerGroup.submit_side)
+
+
+class _Host:
+    """One actor: pins itself to its share, joins the process group, builds the worker and runs its methods."""
+
+    def __init__(self, cpus: float, gpus: float):
+        import torch
+
+        torch.set_num_threads(max(1, int(cpus)))  # OMP_NUM_THREADS came with the runtime_env
+        self.device = "cuda" if gpus > 0 else "cpu"
+        self.worker: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a port free on it, for the process group's rendezvous."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, factory: Callable[[WorkerContext], Any], ctx: WorkerContext, backend: str | None,
+              master: tuple[str, int], timeout_s: float, groups: list[tuple[str, list[int]]]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        ctx.device = self.device
+        if self.device == "cuda":
+            torch.cuda.set_device(0)  # Ray narrowed CUDA_VISIBLE_DEVICES to this actor's GPU
+        if backend is not None:
+            ip, port = master
+            if ip.startswith("127.") or ip == "::1":
+                # Gloo and NCCL pick an interface from the host name, which may resolve off the machine.
+                lo = _loopback_ifname()
+                if lo:
+                    os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+                    os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+            host = f"[{ip}]" if ":" in ip else ip
+            timeout = timedelta(seconds=timeout_s)
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=ctx.global_rank,
+                                    world_size=ctx.world_size, timeout=timeout)
+            if len(groups) == 1:
+                ctx.group = dist.group.WORLD
+            else:
+                # new_group is collective over the whole world: every rank creates every group, in one order.
+                for name, ranks in groups:
+                    pg = dist.new_group(ranks, timeout=timeout)
+                    if name == ctx.name:
+                        ctx.group = pg
+        self.worker = factory(ctx)
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def close(self) -> None:
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
+
+
+# ---------------------------------------------------------------- the driver's side
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One group of `start_groups`: `size` workers built by `factory(ctx)`, each with its own share."""
+
+    name: str
+    factory: Callable[[WorkerContext], Any]
+    size: int = 1
+    cpus_per_worker: float = 1
+    gpus_per_worker: float = 0
+
+
+class _Gang:
+    """The groups started together: they share actors' fate (a failure kills them all) and the Ray session."""
+
+    def __init__(self, owns_ray: bool):
+        self.owns_ray = owns_ray
+        self.groups: list[RayWorkerGroup] = []
+        self.broken: str | None = None
+        self.lock = threading.Lock()
+
+    def fail(self, reason: str) -> None:
+        """Kill every actor: survivors may sit in a collective waiting for the failed one, forever."""
+        ray = import_ray()
+        with self.lock:
+            if self.broken is not None:
+                return
+            self.broken = reason
+        for g in self.groups:
+            for actor in g.actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already gone
+                    pass
+
+    def released(self) -> None:
+        with self.lock:
+            last = all(g.closed for g in self.groups)
+        if last and self.owns_ray:
+            self.owns_ray = False
+            _release_ray()
+
+
+def _describe(exc: BaseException) -> tuple[str, str]:
+    """('died' or 'failed', one line): the remote traceback's last line, or why the actor's process ended."""
+    ray = import_ray()
+    exceptions = ray.exceptions
+    if isinstance(exc, exceptions.RayTaskError):
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return "failed", lines[-1].strip() if lines else type(exc).__name__
+    if isinstance(exc, (exceptions.RayActorError, exceptions.WorkerCrashedError, exceptions.OutOfMemoryError)):
+        # Ray's message is a page long; keep the process and Ray's reason, which name the cause well enough.
+        text = " ".join(str(exc).split())
+        pid, ip = re.search(r"\bpid: (\d+)", text), re.search(r"\bip: (\S+)", text)
+        detail = re.search(r"exit detail: (.+?\.)(?: |$)", text)
+        where = f"process {pid.group(1)}" + (f" on {ip.group(1)}" if ip else "") if pid else "its process"
+        return "died", f"{where} ended: {detail.group(1) if detail else text[:200]}"
+    return "failed", f"{type(exc).__name__}: {exc}"
+
+
+class RayPending:
+    """Futures of one call on some workers; `get` returns results in rank order or raises WorkerError."""
+
+    def __init__(self, gang: _Gang, method: str, entries: list[tuple[RayWorkerGroup, int, Any]],
+                 call_timeout_s: float | None):
+        self.gang, self.method = gang, method
+        self._entries = entries
+        self._waiting = {ref: i for i, (_, _, ref) in enumerate(entries)}
+        self._results: list[Any] = [None] * len(entries)
+        self._error: WorkerError | None = None
+        self._started = time.monotonic()
+        self._deadline = None if call_timeout_s is None else self._started + call_timeout_s
+
+    def _poll(self, until: float | None) -> bool:
+        """Collect finished futures until all are in, one has failed, or `until` passes; True when settled."""
+        ray = import_ray()
+        while self._waiting and self._error is None:
+            left = None if until is None else max(0.0, until - time.monotonic())
+            # num_returns=1: the first failure is seen at once, even while other workers stay blocked.
+            ready, _ = ray.wait(list(self._waiting), num_returns=1, timeout=left)
+            if not ready:
+                return False
+            failures = self._collect(ready)
+            if failures and self._waiting:
+                # A worker's death often surfaces first as a peer's collective error (connection closed): give
+                # the others a moment, so that the death, the cause, is what gets reported.
+                more, _ = ray.wait(list(self._waiting), num_returns=len(self._waiting), timeout=FAILURE_GRACE_S)
+                failures += self._collect(more)
+            if failures:
+                self._fail(failures)
+        return True
+
+    def _collect(self, ready: list[Any]) -> list[tuple[int, BaseException]]:
+        ray = import_ray()
+        failures = []
+        for ref in ready:
+            i = self._waiting.pop(ref)
+            try:
+                self._results[i] = ray.get(ref)
+            except Exception as exc:
+                failures.append((i, exc))
+        return failures
+
+    def _fail(self, failures: list[tuple[int, BaseException]]) -> None:
+        described = [(i, exc, *_describe(exc)) for i, exc in failures]
+        i, exc, kind, line = next((d for d in described if d[2] == "died"), described[0])
+        group, rank, _ = self._entries[i]
+        earlier = self.gang.broken
+        if earlier is not None:
+            msg = f"worker {rank}/{group.size} of {group.name!r} was stopped in {self.method} by an earlier failure: {earlier}"
+        else:
+            msg = f"worker {rank}/{group.size} of {group.name!r} {kind} in {self.method}: {line}"
+            if len(failures) > 1:
+                msg += f" (and {len(failures) - 1} more of this call's workers failed)"
+            self.gang.fail(msg)
+        self._error = WorkerError(msg)
+        self._error.__cause__ = exc
+
+    def _time_out(self) -> None:
+        running = {}
+        for i in self._waiting.values():
+            group, rank, _ = self._entries[i]
+            running.setdefault(group.name, []).append(rank)
+        which = "; ".join(f"ranks {sorted(r)} of {n!r}" for n, r in running.items())
+        elapsed = time.monotonic() - self._started
+        msg = f"{self.method} timed out after {elapsed:.0f} s; still running: {which}"
+        self.gang.fail(msg)
+        self._error = WorkerError(msg)
+
+    def done(self) -> bool:
+        if self._error is None and not self._poll(time.monotonic()):
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                self._time_out()
+                return True
+            return False
+        return True
+
+    def get(self, timeout: float | None = None) -> list[Any]:
+        until = None if timeout is None else time.monotonic() + timeout
+        # ray.wait may return a hair early: decide up front whether this wait ends at the call's deadline.
+        at_deadline = self._deadline is not None and (until is None or self._deadline <= until)
+        if at_deadline:
+            until = self._deadline
+        if self._error is None and not self._poll(until):
+            if at_deadline:
+                self._time_out()
+            else:
+                raise TimeoutError(f"{self.method} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return list(self._results)
+
+
+class RayWorkerGroup:
+    """`size` workers as Ray actors in one placement group; called exactly like LocalWorkerGroup.
+
+    Build one with `start_group(name, factory, size, ...)`, or several that share one torch.distributed world
+    with `start_groups`.
+    """
+
+    def __init__(self, gang: _Gang, spec: GroupSpec, actors: list[Any], placement: Any, global_ranks: list[int],
+                 call_timeout_s: float | None):
+        self.gang, self.name, self.size = gang, spec.name, spec.size
+        self.actors, self.placement, self.global_ranks = actors, placement, global_ranks
+        self.call_timeout_s = call_timeout_s
+        self.closed = False
+
+    def _check(self, method: str) -> None:
+        if self.closed:
+            raise WorkerError(f"{method} on {self.name!r}: the group is shut down")
+        if self.gang.broken is not None:
+            raise WorkerError(f"{method} on {self.name!r}: the group is unusable since a failure killed its "
+                              f"workers ({self.gang.broken})")
+
+    def _pending(self, method: str, refs: list[Any]) -> RayPending:
+        entries = [(self, rank, ref) for rank, ref in enumerate(refs)]
+        return RayPending(self.gang, method, entries, self.call_timeout_s)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> RayPending:
+        self._check(method)
+        return self._pending(method, [a.call.remote(method, args, kwargs) for a in self.actors])
+
+    def submit_side(self, method: str, *args: Any, **kwargs: Any) -> RayPending:
+        """Like submit, but on each actor's side lane: it runs while a main-lane call is still working (one side
+        call at a time). Asynchronous sampling receives weights this way while the sampler generates."""
+        self._check(method)
+        return self._pending(method, [a.call.options(concurrency_group=SIDE_LANE).remote(method, args, kwargs)
+                                      for a in self.actors])
+
+    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> RayPending:
+        if len(per_worker_args) != self.size:
+            raise ValueError(f"call_each({method}): {len(per_worker_args)} argument tuples for {self.size} workers")
+        self._check(method)
+        return self._pending(method, [a.call.remote(method, tuple(args), {})
+                                      for a, args in zip(self.actors, per_worker_args)])
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.submit(method, *args, **kwargs).get()
+
+    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+        return self.submit_each(method, per_worker_args).get()
+
+    def shutdown(self) -> None:
+        """Close the workers (best effort, bounded), kill the actors, free the placement, and stop Ray if the
+        group started it and no group started with it is still up."""
+        if self.closed:
+            return
+        ray = import_ray()
+        if self.gang.broken is None:
+            refs = [a.close.remote() for a in self.actors]
+            ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT_S)
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        try:
+            ray.util.remove_placement_group(self.placement)
+        except Exception:
+            pass
+        self.closed = True
+        self.gang.released()
+
+    def __repr__(self) -> str:
+        return f"RayWorkerGroup({self.name!r}, size={self.size}, global_ranks={self.global_ranks})"
+
+
+def _code_paths() -> list[str]:
+    """Folders the actors need on their path to import what the driver imports: this checkout's `tandem` first,
+    then the driver's own additions (a test's folder), but not the interpreter's or the environment's."""
+    import tandem
+
+    system = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    paths = [str(Path(tandem.__file__).resolve().parents[1])]
+    for entry in sys.path:
+        if not entry or not os.path.isdir(entry):
+            continue
+        resolved = Path(entry).resolve()
+        if any(resolved == s or s in resolved.parents for s in system) or str(resolved) in paths:
+            continue
+        paths.append(str(resolved))
+    return paths
+
+
+def _runtime_env(cpus: float, user: dict | None) -> dict:
+    env = dict(user or {})
+    env_vars = dict(env.get("env_vars") or {})
+    extra = [p for p in env_vars.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")).split(os.pathsep) if p]
+    env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(_code_paths() + extra))
+    # Set before the worker process starts, so that every OpenMP runtime it loads sees it.
+    env_vars.setdefault("OMP_NUM_THREADS", str(max(1, int(cpus))))
+    env["env_vars"] = env_vars
+    return env
+
+
+def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "auto", address: str | None = None,
+                 pg_timeout_s: float = 600.0, placement_timeout_s: float = 120.0,
+                 call_timeout_s: float | None = None, setup_timeout_s: float | None = None,
+                 num_cpus: float | None = None, num_gpus: int | None = None, temp_dir: str | None = None,
+                 log_to_driver: bool = True, object_store_memory: int | None = None,
+                 runtime_env: dict | None = None) -> list[RayWorkerGroup]:
+    """Start several worker groups that share one torch.distributed world.
+
+    Global ranks run group after group (trainers 0..T-1, then samplers T..T+R-1). `backend`: "auto" (gloo on
+    CPU, nccl on GPU, both when mixed), a torch.distributed backend name, or None for no process group. Each
+    group's `ctx.group` is its own subgroup (the WORLD group when there is one group). Ray: `address` joins a
+    running cluster; otherwise a local one is started on 127.0.0.1 (`num_cpus` defaults to what the groups
+    ask for) and shut down with the last group. A failure anywhere kills every actor of every group started here.
+    """
+    ray = import_ray()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    specs = [s if isinstance(s, GroupSpec) else GroupSpec(*s) for s in specs]
+    names = [s.name for s in specs]
+    if not specs or len(set(names)) != len(names) or any(s.size < 1 for s in specs):
+        raise ValueError(f"start_groups needs groups with distinct names and sizes ≥ 1, got {specs}")
+    if backend == "auto":
+        gpu = [s.gpus_per_worker > 0 for s in specs]
+        backend = "nccl" if all(gpu) else "gloo" if not any(gpu) else "cpu:gloo,cuda:nccl"
+    if num_cpus is None:
+        num_cpus = sum(s.size * s.cpus_per_worker for s in specs)
+    owns = _acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
+    gang = _Gang(owns)
+    placements: list[Any] = []
+    try:
+        for s in specs:
+            bundle = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
+            placements.append(placement_group([dict(bundle) for _ in range(s.size)], strategy="PACK"))
+        ready, _ = ray.wait([p.ready() for p in placements], num_returns=len(placements),
+                            timeout=placement_timeout_s)
+        if len(ready) != len(placements):
+            raise WorkerError(f"could not place {[(s.name, s.size, s.cpus_per_worker, s.gpus_per_worker) for s in specs]}"
+                              f" within {placement_timeout_s:.0f} s; the cluster has {ray.available_resources()} free")
+        host = ray.remote(concurrency_groups={SIDE_LANE: 1})(_Host)
+        world, first = sum(s.size for s in specs), 0
+        group_ranks: dict[str, list[int]] = {}
+        for s, placement in zip(specs, placements):
+            group_ranks[s.name] = list(range(first, first + s.size))
+            actors = [host.options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker, max_restarts=0,
+                                   runtime_env=_runtime_env(s.cpus_per_worker, runtime_env),
+                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                       placement, placement_group_bundle_index=i)).remote(s.cpus_per_worker,
+                                                                                          s.gpus_per_worker)
+                      for i in range(s.size)]
+            gang.groups.append(RayWorkerGroup(gang, s, actors, placement, group_ranks[s.name], call_timeout_s))
+            first += s.size
+        first_group = gang.groups[0]
+        master = RayPending(gang, "address", [(first_group, 0, first_group.actors[0].address.remote())],
+                            setup_timeout_s).get()[0]
+        order = list(group_ranks.items())
+        entries = []
+        for g, s in zip(gang.groups, specs):
+            for rank, actor in enumerate(g.actors):
+                ctx = WorkerContext(rank=rank, size=s.size, global_rank=g.global_ranks[rank], world_size=world,
+                                    group_ranks=group_ranks, name=s.name)
+                ref = actor.setup.remote(s.factory, ctx, backend, master, pg_timeout_s, order)
+                entries.append((g, rank, ref))
+        RayPending(gang, "setup", entries, setup_timeout_s).get()
+    except BaseException:
+        gang.fail("start_groups did not finish")
+        for placement in placements:
+            try:
+                ray.util.remove_placement_group(placement)
+            except Exception:
+                pass
+        if owns:
+            _release_ray()
+        raise
+    return gang.groups
+
+
+def start_group(name: str, factory: Callable[[WorkerContext], Any], size: int = 1, *, cpus_per_worker: float = 1,
+                gpus_per_worker: float = 0, **options: Any) -> RayWorkerGroup:
+    """One group alone: `start_groups` with one spec (its `ctx.group` is the WORLD group)."""
+    return start_groups([GroupSpec(name, factory, size, cpus_per_worker, gpus_per_worker)], **options)[0]

@@ -1,0 +1,91 @@
+"""The sampler role: one rollout engine that generates, and takes new weights between generations."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.config import Config
+from tandem.rollout import Completion, Sampling, make_engine
+from tandem.workers.group import WorkerContext
+
+
+@dataclass
+class Generated:
+    """One worker's share of a rollout: its completions and when/with what policy they were made."""
+
+    completions: list[Completion]
+    version: int  # the policy version whose weights sampled them
+    seconds: float = 0.0  # generating
+    idle_seconds: float = 0.0  # the sampler waited for work before this call
+    load_seconds: float = 0.0  # loading staged weights first (the only stop-the-world part of async sampling)
+    stats: dict = field(default_factory=dict)
+
+
+def engine_args(cfg: Config) -> tuple[str, dict]:
+    """The engine's name and constructor arguments from the config."""
+    import sys
+
+    m, r = cfg.model, cfg.rollout
+    if r.engine == "hf":
+        return "hf", dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, trust_remote_code=m.trust_remote_code)
+    v = r.vllm
+    kwargs = dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, max_model_len=v.max_model_len or None,
+                  kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,
+                  sync_bucket_mb=r.sync_bucket_mb, enable_sleep=v.enable_sleep,
+                  enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=v.tensor_parallel_size)
+    if v.mode == "server":
+        return "vllm_server", dict(kwargs, base_url=v.base_url or None, python=v.python or sys.executable)
+    rows = cfg.batch.prompts_per_step * cfg.batch.group_size
+    return "vllm", dict(kwargs, sleep_level=v.sleep_level, max_num_seqs=v.max_num_seqs or rows,
+                        max_num_batched_tokens=v.max_num_batched_tokens or None)
+
+
+class RolloutWorker:
+    """A sampler instance of split placement.
+
+    Weights arrive on a side lane (`receive_weights`, which may run while `generate` works) into a staging copy;
+    the next `generate` loads them first. So under asynchronous sampling only that load stops generation.
+    """
+
+    def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
+        self.cfg, self.ctx = cfg, ctx or WorkerContext()
+        name, kwargs = engine_args(cfg)
+        self.engine = make_engine(name, **kwargs)
+        self.version = 0
+        self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self._lock = threading.Lock()
+        self._plan = None
+        self._last_end = time.perf_counter()
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Generated:
+        start = time.perf_counter()
+        idle = start - self._last_end
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            self.engine.load_weights(staged[1])
+            self.version = staged[0]
+        loaded = time.perf_counter()
+        comps = self.engine.generate(prompts, sampling)
+        self._last_end = time.perf_counter()
+        return Generated(comps, self.version, self._last_end - loaded, idle, loaded - start)
+
+    def set_sync_plan(self, plan) -> None:
+        self._plan = plan
+
+    def receive_weights(self, version: int) -> dict:
+        """Take part in the trainers' weight broadcast; stage the received full tensors for the next generate."""
+        from tandem.sync.reshard import reshard
+
+        start = time.perf_counter()
+        out = reshard(self._plan, self.ctx.global_rank, {}, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
+        named = list(out.items())
+        with self._lock:
+            self._staged = (version, named)
+        return {"seconds": time.perf_counter() - start, "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,144 @@
+"""The trainer role: the policy (and reference) shard of one process, its share of each batch, checkpoints."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tandem.algo import truncation_mask
+from tandem.config import Config
+from tandem.modeling import load_tokenizer
+from tandem.rollout import Completion
+from tandem.train.batch import MicroBatch, make_micro_batches
+from tandem.train.policy import Policy
+from tandem.workers.balance import balance
+from tandem.workers.group import WorkerContext
+
+
+class TrainWorker:
+    """One training process. With several, they form a (dp, tp) mesh: FSDP2 over dp, tensor parallel over tp.
+
+    Every worker receives the whole step's completions and takes its data-parallel share of each mini-batch
+    (balanced by tokens); the loss normalizers count the whole mini-batch, so the update equals the
+    single-process one (the policy sums them over dp).
+    """
+
+    def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
+        self.cfg, self.ctx = cfg, ctx or WorkerContext()
+        m, tp = cfg.model, cfg.placement.tensor_parallel
+        self.tokenizer = load_tokenizer(m.path, m.trust_remote_code)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.mesh = None
+        self.dp_rank, self.dp_size = 0, 1
+        if self.ctx.size > 1:
+            from tandem.train.parallel import build_mesh
+
+            self.dp_size = self.ctx.size // tp
+            self.dp_rank = self.ctx.rank // tp
+            self.mesh = build_mesh(self.ctx.group_ranks[self.ctx.name], self.dp_size, tp, self.ctx.device)
+        total_opt_steps = cfg.run.steps * cfg.algo.mu * cfg.batch.mini_batches
+        torch.manual_seed(cfg.run.seed)
+        self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
+                             cfg.rollout.temperature, cfg.rollout.max_new_tokens, mesh=self.mesh)
+        self._mini: list[list[MicroBatch]] = []
+
+    def prepare(self, completions: list[Completion]) -> list[float]:
+        """Lay this worker's share of the step out for training and score old/reference logprobs.
+
+        The batch is split by prompt group into mini-batches (one optimizer step each), each mini-batch's rows
+        are shared out over the dp ranks, and each share is packed into micro-batches by token budget. Returns
+        every completion's KL penalty when `algo.kl_in_reward` is on.
+        """
+        b, a = self.cfg.batch, self.cfg.algo
+        groups = sorted({c.prompt_index for c in completions})
+        per = -(-len(groups) // b.mini_batches)
+        zeros = torch.zeros(len(completions))
+        keep_rows = truncation_mask(torch.tensor([c.truncated for c in completions])) if a.mask_truncated else None
+        self._mini = []
+        for j in range(b.mini_batches):
+            keep = set(groups[j * per:(j + 1) * per])
+            rows = [i for i, c in enumerate(completions) if c.prompt_index in keep]
+            if not rows:
+                continue
+            lengths = [len(completions[i].prompt_ids) + len(completions[i].completion_ids) for i in rows]
+            mine = [rows[k] for k in balance(lengths, self.dp_size)[self.dp_rank]]
+            mbs = make_micro_batches(completions, zeros, b.micro_batch_tokens, self.pad_id, mine) if mine else []
+            if keep_rows is not None:
+                for mb in mbs:
+                    mb.mask = mb.mask * keep_rows[mb.rows].unsqueeze(-1)
+            self._mini.append(mbs)  # possibly empty: every rank holds the same number of mini-batches
+        start = time.perf_counter()
+        self._sums, penalties = self.policy.prepare(self._mini)
+        self._t_logprobs = time.perf_counter() - start
+        return penalties
+
+    def train(self, advantages: torch.Tensor) -> dict[str, float]:
+        """Update the policy on the prepared batch with these per-completion advantages."""
+        for mb in (mb for mbs in self._mini for mb in mbs):
+            mb.advantages = advantages[mb.rows].float()
+        start = time.perf_counter()
+        stats = self.policy.update(self._mini, self._sums)
+        stats["time/update"] = time.perf_counter() - start
+        stats["time/logprobs"] = self._t_logprobs
+        self._mini = []
+        return stats
+
+    # -- weights out: split placement sends to the samplers --------------------------------------------------
+
+    def local_weights(self) -> dict:
+        """This rank's piece of every parameter (a DTensor's local shard is read by the executor)."""
+        return {n: p.detach() for n, p in self.policy.model.named_parameters()}
+
+    def weight_layout(self):
+        """This group's training layout of every parameter in global ranks: where each byte lives now."""
+        from tandem.sync.layout import layout_from_dtensors, replicated_layout
+
+        if self.mesh is None:
+            named = self.local_weights()
+            return replicated_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, [self.ctx.global_rank])
+        return layout_from_dtensors(self.local_weights())
+
+    def group_ranks(self) -> dict[str, list[int]]:
+        return self.ctx.group_ranks
+
+    def set_sync_plan(self, plan) -> None:
+        self._plan = plan
+
+    def send_weights(self, version: int) -> dict:
+        from tandem.sync.reshard import reshard
+
+        start = time.perf_counter()
+        reshard(self._plan, self.ctx.global_rank, self.local_weights(),
+                bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
+        return {"seconds": time.perf_counter() - start, "bytes": self._plan.bytes_moved}
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    def save(self, folder: str) -> None:
+        """Rank 0 writes the policy in Hugging Face format (loadable as is) and the tokenizer; every rank writes
+        its optimizer/schedule shard."""
+        full = self.policy.full_state_dict()
+        if self.ctx.rank == 0:
+            self.policy.model.save_pretrained(folder, state_dict=full, safe_serialization=True)
+            self.tokenizer.save_pretrained(folder)
+        torch.save(self.policy.state_dict(), Path(folder) / self._optimizer_file())
+
+    def load(self, folder: str) -> None:
+        weights = {}
+        for shard in sorted(Path(folder).glob("*.safetensors")):
+            weights.update(load_file(str(shard)))
+        self.policy.load_full_state_dict(weights)
+        path = Path(folder) / self._optimizer_file()
+        if not path.is_file():
+            found = sorted(p.name for p in Path(folder).glob("optimizer*.pt"))
+            raise ValueError(f"checkpoint {folder}: no {path.name} for this worker; it holds {found} — resume with "
+                             "the same number of training workers and tensor_parallel it was saved with")
+        self.policy.load_state_dict(torch.load(path, weights_only=False))
+
+    def _optimizer_file(self) -> str:
+        return "optimizer.pt" if self.ctx.size == 1 else f"optimizer-rank{self.ctx.rank}-of-{self.ctx.size}.pt"
+
+    def close(self) -> None:
+        pass

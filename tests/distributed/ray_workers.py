@@ -1,0 +1,59 @@
+"""A small worker for the Ray worker-group tests: reports where it sits and runs collectives on request."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tandem.workers.group import WorkerContext
+
+
+class ProbeWorker:
+    def __init__(self, ctx: WorkerContext, marker_dir: str | None = None):
+        self.ctx, self.marker_dir = ctx, marker_dir
+
+    def info(self) -> dict:
+        import tandem
+
+        c = self.ctx
+        return dict(rank=c.rank, size=c.size, global_rank=c.global_rank, world_size=c.world_size, name=c.name,
+                    group_ranks=c.group_ranks, device=c.device, pid=os.getpid(), threads=torch.get_num_threads(),
+                    omp=os.environ.get("OMP_NUM_THREADS"), tandem=tandem.__file__,
+                    group_is_world=c.group is dist.group.WORLD)
+
+    def add(self, x: int, y: int = 0) -> int:
+        return x + y + 100 * self.ctx.rank
+
+    def all_reduce(self, value: float, world: bool = False) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=None if world else self.ctx.group)
+        return t.item()
+
+    def broadcast_from(self, src: int, value: float) -> float:
+        """Over the default (world) group: the global rank `src` sends `value` to every other rank."""
+        t = torch.tensor([value if self.ctx.global_rank == src else -1.0], dtype=torch.float64)
+        dist.broadcast(t, src=src)
+        return t.item()
+
+    def raise_on(self, rank: int) -> int:
+        if self.ctx.rank == rank:
+            raise ValueError(f"boom on rank {rank}")
+        return self.ctx.rank
+
+    def exit_on(self, rank: int) -> float:
+        """`rank` ends its process mid-method while the others wait for it in a collective."""
+        if self.ctx.rank == rank:
+            time.sleep(0.5)
+            os._exit(1)
+        return self.all_reduce(1.0)
+
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.ctx.rank
+
+    def close(self) -> None:
+        if self.marker_dir:
+            Path(self.marker_dir, f"closed-{self.ctx.name}-{self.ctx.rank}").write_text("")

@@ -1,0 +1,183 @@
+"""Sharded training (FSDP2, FSDP+TP) matches one process; offload keeps training bit-identical; engine sleep/wake."""
+from __future__ import annotations
+
+import io
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest's tiny-model helper, also in children
+from conftest import save_tiny_model  # noqa: E402
+
+from tandem.config import AlgoConfig, OptimConfig  # noqa: E402
+from tandem.rollout.base import Completion, Sampling  # noqa: E402
+from tandem.train.batch import make_micro_batches  # noqa: E402
+
+ROWS = 6
+BUDGET = 30  # tokens per micro-batch: rank 0's five rows need several micro-batches, rank 1's one row needs one
+# dp rank -> its rows of each mini-batch: deliberately uneven, so rank 1 runs dummy micro-batches
+SPLIT = {0: [0, 1, 2, 3, 4], 1: [5]}
+# fp32 on CPU, sharded reductions add in another order. Losses: measured ~1e-7 relative. Weights: measured up to
+# 5e-7 absolute after 3 AdamW steps of lr 1e-3 (Adam divides by sqrt(v), so a rounding-level gradient difference on
+# an element with a tiny gradient becomes a visible fraction of its step): 2e-6 is 0.07% of the 3e-3 moved.
+LOSS_RTOL, RTOL, ATOL = 1e-6, 1e-5, 2e-6
+
+
+def _completions(seed: int) -> tuple[list[Completion], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(ROWS):
+        p, c = 3 + int(torch.randint(0, 4, (1,), generator=g)), 2 + int(torch.randint(0, 6, (1,), generator=g))
+        ids = torch.randint(3, 250, (p + c,), generator=g).tolist()
+        lps = (-torch.rand(c, generator=g) * 3).tolist()
+        out.append(Completion(ids[:p], ids[p:], lps, "", "stop", prompt_index=i // 2))
+    return out, torch.randn(ROWS, generator=g)
+
+
+def _policy(model_dir: str, mesh=None):
+    from tandem.train.policy import Policy
+
+    torch.manual_seed(0)
+    return Policy(model_dir, "float32", False, AlgoConfig(kl_coef=0.1), OptimConfig(lr=1e-3, grad_clip=0.5), 3,
+                  1.0, 8, mesh=mesh)
+
+
+def _mini(rows: list[int] | None, seed: int):
+    comps, adv = _completions(seed)
+    subset = list(range(ROWS)) if rows is None else rows
+    return make_micro_batches(comps, adv, BUDGET, 0, subset) if subset else []
+
+
+def _train(policy, rows: list[int] | None, between=None) -> list[float]:
+    """3 optimizer steps: one call with 2 mini-batches (off-policy: old + reference forwards), then one on-policy."""
+    minis = [_mini(rows, 1), _mini(rows, 2)]
+    policy.update(minis, policy.prepare(minis)[0])
+    losses = list(policy.last_losses)
+    if between is not None:
+        between(policy)
+    minis = [_mini(rows, 3)]
+    policy.update(minis, policy.prepare(minis)[0])
+    return losses + list(policy.last_losses)
+
+
+def _offload_roundtrip(policy) -> None:
+    groups = ("params", "grads", "optim", "ref")
+    policy.offload(*groups)
+    assert all(v == 0 for v in policy.residency("offloaded").values()), policy.residency_report
+    assert all(p.to_local().untyped_storage().nbytes() == 0 for p in policy.model.parameters())
+    policy.load(*groups)
+    assert policy.residency()["params"] > 0 and policy.residency()["optim"] > 0
+    # this rank's optimizer shards survive a save/load (as plain tensors) and training goes on unchanged
+    buf = io.BytesIO()
+    torch.save(policy.state_dict(), buf)
+    policy.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from tandem.train.parallel import build_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result = {}
+    mesh = build_mesh([0, 1, 2, 3], 2, 2, "cpu")
+    policy = _policy(model_dir, mesh)
+    result["dp2tp2_losses"] = _train(policy, SPLIT[policy.dp_rank], between=_offload_roundtrip)
+    result["dp2tp2_weights"] = policy.full_state_dict()
+    del policy
+    # A mesh over ranks 0-1 only: ranks 2-3 (say, samplers in a split placement) take no part in building it.
+    if rank < 2:
+        mesh = build_mesh([0, 1], 2, 1, "cpu")
+        policy = _policy(model_dir, mesh)
+        result["dp2_losses"] = _train(policy, SPLIT[policy.dp_rank])
+        result["dp2_weights"] = policy.full_state_dict()
+        buckets = list(policy.weight_buckets(bucket_bytes=4096))
+        result["dp2_buckets"] = len(buckets)
+        result["dp2_synced"] = {n: t.clone() for b in buckets for n, t in b}
+        # full HF weights (tied LM head stored once, as HF saves it) load into the sharded model
+        shifted = {k: v + 1 for k, v in result["dp2_weights"].items() if k != "lm_head.weight"}
+        policy.load_full_state_dict(shifted)
+        back = policy.full_state_dict()
+        assert all(torch.equal(back[k], v) for k, v in shifted.items()) and torch.equal(back["lm_head.weight"],
+                                                                                       shifted["model.embed_tokens.weight"])
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_sharded_training_matches_one_process(tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+
+    model_dir = str(save_tiny_model(tmp_path / "model", layers=2))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    mp.spawn(_worker, args=(4, _free_port(), model_dir, str(tmp_path)), nprocs=4, join=True)
+
+    single = _policy(model_dir)
+    losses = _train(single, None)
+    weights = single.full_state_dict()
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for r, res in enumerate(results):
+        if r < 2:
+            torch.testing.assert_close(res["dp2_losses"], losses, rtol=LOSS_RTOL, atol=0)
+            _close(res["dp2_weights"], weights)
+            assert res["dp2_buckets"] > 1  # bucketed gathering
+            synced = dict(single.named_weights())
+            _close(res["dp2_synced"], {n: t for n, t in synced.items()})
+        torch.testing.assert_close(res["dp2tp2_losses"], losses, rtol=LOSS_RTOL, atol=0)
+        _close(res["dp2tp2_weights"], weights)
+
+
+def test_offload_is_exact_and_engine_sleeps(tmp_path):
+    from tandem.rollout.hf import HFEngine
+
+    model_dir = str(save_tiny_model(tmp_path / "model"))
+    plain, moved = _policy(model_dir), _policy(model_dir)
+
+    def roundtrip(policy) -> None:
+        # gradients exist only between backward and step: make some, so the grads group has something to move
+        mb = _mini(None, 4)[0]
+        from tandem.train.policy import token_logprobs
+
+        token_logprobs(policy.model, mb, 1.0)[0].sum().backward()
+        grads = [p.grad.clone() for p in policy.params]
+        policy.offload("params", "grads", "optim", "ref")
+        report = policy.residency("offloaded")
+        assert report == {"params": 0, "grads": 0, "optim": 0, "ref": 0}, report
+        assert all(p.untyped_storage().nbytes() == 0 for p in policy.params)
+        assert all(p.grad.untyped_storage().nbytes() == 0 for p in policy.params)
+        policy.load("params", "grads", "optim", "ref")
+        assert all(torch.equal(p.grad, g) for p, g in zip(policy.params, grads))
+        policy.optimizer.zero_grad(set_to_none=True)
+
+    assert _train(plain, None) == _train(moved, None, between=roundtrip)
+    for (n, a), (_, b) in zip(plain.model.named_parameters(), moved.model.named_parameters()):
+        assert torch.equal(a, b), n
+
+    engine = HFEngine(model_dir)
+    prompts, sampling = [[5, 6, 7], [8, 9]], Sampling(n=2, max_new_tokens=5, seed=3)
+    engine.load_weights(moved.named_weights())
+    before = engine.generate(prompts, sampling)
+    released = engine.sleep()
+    assert released > 0 and sum(p.untyped_storage().nbytes() for p in engine.model.parameters()) == 0
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompts, sampling)
+    assert engine.wake() == released
+    engine.load_weights(moved.named_weights())
+    after = engine.generate(prompts, sampling)
+    assert [c.completion_ids for c in after] == [c.completion_ids for c in before]

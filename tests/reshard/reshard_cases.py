@@ -1,0 +1,138 @@
+"""The multi-process resharding cases, run by every gloo process of one spawn; each rank writes its verdicts
+(case -> "ok" or the failure) to a JSON file the tests read."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tandem.sync.layout import (Mesh, ModelLayout, Qwen2Shape, Spec, build_layout, layout_from_dtensors, local_tensor,
+                                replicated_layout)
+from tandem.sync.planner import plan
+from tandem.sync.reshard import reshard, reshard_iter
+
+DENSE = Qwen2Shape(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48)
+DENSE_TP4 = Qwen2Shape(vocab=96, hidden=32, layers=2, heads=8, kv_heads=4, intermediate=48)
+MOE = Qwen2Shape(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=24, experts=4)
+
+
+def full_model(layout: ModelLayout, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The same random full model on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(pl.shape, generator=g).to(pl.dtype) for n, pl in layout.items()}
+
+
+def layout_cases() -> dict[str, tuple[ModelLayout, ModelLayout, dict]]:
+    """name -> (source layout, destination layout, executor options) over world ranks 0..3."""
+    p, p4, pm = DENSE.params(), DENSE_TP4.params(), MOE.params()
+    dp2tp2 = Mesh.of(dp=2, tp=2)
+    cases = {
+        "dp1tp2pp2_to_dp2tp2": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)), build_layout(p, dp2tp2, DENSE.spec()), {}),
+        "dp1tp4_to_dp2tp2": (build_layout(p4, Mesh.of(tp=4), DENSE_TP4.spec()), build_layout(p4, dp2tp2, DENSE_TP4.spec()), {}),
+        "dp1tp2cp2_to_dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), DENSE.spec()), build_layout(p, dp2tp2, DENSE.spec()), {}),
+        "dp1tp2ep2_to_dp2tp2": (build_layout(pm, Mesh.of(ep=2, tp=2), MOE.spec(ep=2)), build_layout(pm, dp2tp2, MOE.spec()), {}),
+        "fsdp4_to_tp2dp2": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), build_layout(p, dp2tp2, DENSE.spec()), {}),
+        "fsdp_ranks01_to_replicas_ranks23": (build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")), replicated_layout(p, [2, 3]), {}),
+        # ZeRO flat shards of a bf16 model into replicas, streamed through a bucket far smaller than one tensor
+        "flat_zero4_bf16_to_replicas_streamed": (build_layout(DENSE.params(torch.bfloat16), Mesh.of(dp=4), Spec(zero="flat")),
+                                                 replicated_layout(DENSE.params(torch.bfloat16), range(4)),
+                                                 {"bucket_bytes": 1024, "stream": True}),
+        "tp2pp2_to_replicas_into_out": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)), replicated_layout(p, range(4)), {"out": True}),
+    }
+    return cases
+
+
+def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -> str:
+    full = full_model(src)
+    mine = {n: local_tensor(pl, rank, full[n]) for n, pl in src.items() if rank in pl.shards}
+    p = plan(src, dst)
+    if p.bytes_moved != p.lower_bound:
+        return f"moved {p.bytes_moved} != lower bound {p.lower_bound}"
+    kwargs = {"bucket_bytes": opts["bucket_bytes"]} if "bucket_bytes" in opts else {}
+    out = None
+    if opts.get("out"):
+        out = {n: torch.zeros(s, dtype=dst[n].dtype) for n, s in p.dst_shapes.get(rank, {}).items()}
+    if opts.get("stream"):
+        got, batches = {}, 0
+        for batch in reshard_iter(p, rank, mine, **kwargs):
+            batches += 1
+            for name, t in batch:
+                if name in got:
+                    return f"{name} yielded twice"
+                got[name] = t.clone()  # a consumer loads it and lets it go
+        if rank in {r for pl in dst.values() for r in pl.shards} and batches < 2:
+            return f"streaming yielded {batches} batch(es)"
+    else:
+        got = reshard(p, rank, mine, out=out, **kwargs)
+    want = {n: local_tensor(pl, rank, full[n]) for n, pl in dst.items() if rank in pl.shards}
+    if set(got) != set(want):
+        return f"tensors {sorted(set(got) ^ set(want))} missing or extra"
+    bad = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
+    if out is not None:
+        bad += [n for n in want if got[n].data_ptr() != out[n].data_ptr()]
+    return f"not bit-exact: {bad[:5]}" if bad else "ok"
+
+
+def dtensor_cases(rank: int) -> dict[str, str]:
+    """Real FSDP2 and FSDP2 x TP parameters: read their layout, reshard to full replicas on every rank."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(30, 16)
+            self.up = nn.Linear(16, 22)  # 22 rows: uneven over 4 and over 2 x 2
+            self.down = nn.Linear(22, 16, bias=False)
+            self.norm = nn.LayerNorm(16)
+
+    results = {}
+    for case in ("fsdp2_4", "fsdp2_x_tp_2x2"):
+        try:
+            torch.manual_seed(0)
+            model = Tiny()
+            full = {n: p.detach().clone() for n, p in model.named_parameters()}
+            if case == "fsdp2_4":
+                fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
+            else:
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+                parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+                fully_shard(model, mesh=mesh["dp"])
+            named = dict(model.named_parameters())
+            src = layout_from_dtensors(named)
+            dst = replicated_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, range(4))
+            got = reshard(plan(src, dst), rank, named)  # every rank takes part before any check can fail
+            bad = [n for n in full if not torch.equal(got[n], full[n])]
+            # the layout read agrees with the live local shards
+            bad += [f"{n} (layout)" for n, t in named.items()
+                    if not torch.equal(t.to_local(), local_tensor(src[n], rank, full[n]))]
+            results[case] = f"not bit-exact: {bad}" if bad else "ok"
+        except Exception:
+            results[case] = traceback.format_exc()
+    return results
+
+
+def worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    results: dict[str, str] = {}
+    for name, (src, dst, opts) in layout_cases().items():
+        start = time.perf_counter()
+        try:
+            results[name] = run_layout_case(rank, src, dst, opts)
+        except Exception:
+            results[name] = traceback.format_exc()
+        results[name + ":seconds"] = f"{time.perf_counter() - start:.3f}"
+    results.update(dtensor_cases(rank))
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
