@@ -244,10 +244,10 @@ class PlacementConfig(Section):
         1, ge=1, description="async: the most policy versions a trained batch may lag the trainer; older batches are "
         "dropped, never trained on. Also the number of batches sampled ahead.",
     )
-    offload: Literal["auto", "on", "off"] = Field(
+    offload: bool | Literal["auto"] = Field(
         "auto", description="Colocated workers move the idle side off the compute device bucket by bucket: policy "
         "params/grads/optimizer and reference while sampling, the engine while training. `auto`: on for GPUs, off "
-        "on CPU (there host and device are the same memory; `on` still runs it, for tests and accounting).",
+        "on CPU (there host and device are the same memory; `true` still runs it, for tests and accounting).",
     )
     ray_address: str = Field(
         "", description="Connect to this Ray cluster (multi-node); empty = start a Ray on 127.0.0.1 for this run.",
@@ -327,6 +327,10 @@ class Config(Section):
         if pl.schedule == "async" and pl.mode != "split":
             raise ConfigError("placement.schedule: async needs placement.mode: split (colocated workers time-slice "
                               "one device: there is nothing to overlap); use schedule: sync or mode: split")
+        if pl.backend == "ray" and self.rollout.engine == "vllm" and self.rollout.vllm.mode == "inprocess":
+            raise ConfigError("rollout.vllm.mode: inprocess cannot run inside Ray workers yet: vLLM sets up its own "
+                              "torch.distributed world, which clashes with the workers' process group (seen to hang "
+                              "on CPU); use rollout.vllm.mode: server, or rollout.engine: hf")
         if pl.schedule == "async" and self.algo.dynamic_sampling:
             raise ConfigError("algo.dynamic_sampling: not supported with placement.schedule: async yet; turn one off")
         if self.eval.k > 1 and self.eval.temperature == 0:

@@ -66,18 +66,25 @@ class Policy:
 
     def __init__(self, model_path: str, dtype: str, trust_remote_code: bool, algo: AlgoConfig, optim: OptimConfig,
                  total_optimizer_steps: int, temperature: float, max_new_tokens: int, mesh=None,
-                 mixed_precision: str | None = None, device: str | None = None, offload_bucket_bytes: int = 64 << 20):
+                 mixed_precision: str | None = None, device: str | None = None, offload_bucket_bytes: int = 64 << 20,
+                 stale_samples: bool = False):
         """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping).
 
         With a mesh, each dp rank trains on its own rows of every mini-batch (tp peers get the same rows), the
         normalizers and the stats are reduced over dp, and gradients are summed over dp, so the update equals the
         single-process update of the whole mini-batch.
+
+        `stale_samples`: batches come from an older policy (asynchronous sampling). The sampler's logprobs are then
+        the behaviour policy the ratio is taken against (no old-logprob forward); with `algo.tis_cap` set, the old
+        logprobs are recomputed by this policy instead (the clip's anchor) and the truncated importance weight
+        pi_old / pi_sampler corrects for the staleness (decoupled PPO).
         """
         from tandem.train.parallel import parallelize
 
         self.algo, self.optim_cfg = algo, optim
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
+        self.stale_samples = stale_samples
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.model = load_causal_lm(model_path, dtype, trust_remote_code)
         if device is not None:
@@ -182,7 +189,12 @@ class Policy:
 
     def on_policy(self, n_mini_batches: int) -> bool:
         """True when the only update is the first: its own forward, detached, is the old policy's logprobs."""
-        return self.algo.mu == 1 and n_mini_batches == 1 and not self.algo.kl_in_reward
+        return self.algo.mu == 1 and n_mini_batches == 1 and not self.algo.kl_in_reward and not self.stale_samples
+
+    @property
+    def sampler_is_old(self) -> bool:
+        """The sampler's logprobs serve as the old policy's (stale samples, no TIS): no forward needed for them."""
+        return self.stale_samples and self.algo.tis_cap is None
 
     @torch.no_grad()
     def prepare(self, mini_batches: list[list[MicroBatch]]) -> tuple[dict[str, float], list[float]]:
@@ -197,7 +209,9 @@ class Policy:
         local = [mb for mbs in mini_batches for mb in mbs]
         (n,) = self._pad_counts([len(local)])
         for mb in self._padded(local, n):
-            if old:
+            if self.sampler_is_old:
+                mb.old_logprobs = mb.sampler_logprobs  # first-pass stats come from the update's first forward
+            elif old:
                 mb.old_logprobs, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
                 self._first_pass_stats(mb, mb.old_logprobs, ent, sums)
             if self.ref is not None:
@@ -247,10 +261,11 @@ class Policy:
                 total_tokens, total_seqs = int(totals[j, 0]), int(totals[j, 1])
                 step_loss = 0.0
                 for mb in self._padded(mbs, passes_per_mini[j]):
-                    need_entropy = on_policy or a.entropy_coef > 0
+                    first_pass = on_policy or (self.sampler_is_old and epoch == 0)
+                    need_entropy = first_pass or a.entropy_coef > 0
                     logp, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=need_entropy,
                                                entropy_grad=a.entropy_coef > 0)
-                    if on_policy:
+                    if first_pass:
                         self._first_pass_stats(mb, logp, ent.detach(), sums)
                     old = logp.detach() if on_policy else mb.old_logprobs
                     loss_tok, m = loss_fn(logp, old, mb.advantages, mb.mask, self.loss_params)

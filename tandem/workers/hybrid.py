@@ -34,7 +34,7 @@ class HybridWorker(TrainWorker):
         name, kwargs = engine_args(cfg)
         self.engine = make_engine(name, **kwargs)
         pl = cfg.placement
-        self.offload = pl.offload == "on" or (pl.offload == "auto" and self.ctx.device != "cpu")
+        self.offload = pl.offload is True or (pl.offload == "auto" and self.ctx.device != "cpu")
         self.version = 0
         self._resident: dict[str, int] = {}
         self._engine_awake = True
@@ -94,6 +94,14 @@ class HybridWorker(TrainWorker):
                                    bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20):
             self.engine.load_weights(bucket)
         return {"seconds": time.perf_counter() - start, "bytes": self._plan.bytes_moved}
+
+    def save(self, folder: str) -> None:
+        self.policy.load("params", "optim")  # a checkpoint reads them; the next phase offloads them again
+        super().save(folder)
+
+    def load(self, folder: str) -> None:
+        self.policy.load("params", "grads", "optim", "ref")
+        super().load(folder)
 
     def close(self) -> None:
         self.engine.close()

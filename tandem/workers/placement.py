@@ -116,7 +116,7 @@ def build(cfg: Config) -> Placement:
         [GroupSpec("trainers", functools.partial(TrainWorker, cfg), pl.train_workers, **res),
          GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res)],
         address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
-    placement = Placement(trainers, samplers, split=True, _owned=[trainers])
+    placement = Placement(trainers, samplers, split=True, _owned=[trainers, samplers])
     try:
         from tandem.sync.layout import replicated_layout
         from tandem.sync.planner import plan

@@ -41,7 +41,8 @@ class TrainWorker:
         total_opt_steps = cfg.run.steps * cfg.algo.mu * cfg.batch.mini_batches
         torch.manual_seed(cfg.run.seed)
         self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
-                             cfg.rollout.temperature, cfg.rollout.max_new_tokens, mesh=self.mesh)
+                             cfg.rollout.temperature, cfg.rollout.max_new_tokens, mesh=self.mesh,
+                             stale_samples=cfg.placement.schedule == "async")
         self._mini: list[list[MicroBatch]] = []
 
     def prepare(self, completions: list[Completion]) -> list[float]:

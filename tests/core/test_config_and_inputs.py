@@ -52,6 +52,14 @@ def test_bad_value_names_field_and_value():
     (["batch.group_size=1"], r"batch\.group_size: 1 leaves every GRPO advantage at 0"),
     (["algo.advantage=grpp"], r"algo\.advantage: 'grpp' is not registered; did you mean 'grpo'"),
     (["data.task=gsm8k"], r"data\.path: empty"),
+    (["placement.workers=2"], r"placement\.workers: 2 needs placement\.backend: ray"),
+    (["placement.mode=split"], r"placement\.mode: split needs placement\.backend: ray"),
+    (["placement.backend=ray", "placement.workers=3", "placement.tensor_parallel=2"],
+     r"placement\.tensor_parallel: 2 does not divide placement\.workers=3"),
+    (["placement.schedule=async"], r"placement\.schedule: async needs placement\.mode: split"),
+    (["placement.backend=ray", "placement.mode=split", "placement.schedule=async", "algo.dynamic_sampling=true"],
+     r"algo\.dynamic_sampling: not supported with placement\.schedule: async"),
+    (["placement.backend=ray", "rollout.engine=vllm"], r"rollout\.vllm\.mode: inprocess cannot run inside Ray"),
 ])
 def test_impossible_arithmetic_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

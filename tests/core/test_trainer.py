@@ -152,3 +152,20 @@ def test_algorithm_options_train(tiny_model, tmp_path, extra):
         assert rows[1]["completion/truncated_frac"] > 0  # a random model rarely stops: these got no gradient
     if "algo.tis_cap=2.0" in extra:
         assert rows[1]["tis_capped_frac"] == 0.0  # the embedded engine samples with the trainer's numbers
+
+
+def test_offload_changes_residency_not_results(tiny_model, tmp_path):
+    """With offload on, each phase holds only what it needs (the engine sleeps while training, the policy and
+    reference leave while sampling), and the run's metrics are exactly those of the run that kept everything."""
+    extra = ("algo.kl_coef=0.05", "algo.mu=2")
+    train(small_config(tiny_model, tmp_path / "on", *extra, "placement.offload=on"))
+    train(small_config(tiny_model, tmp_path / "off", *extra, "placement.offload=off"))
+    on, off = read_metrics(tmp_path / "on"), read_metrics(tmp_path / "off")
+    memory = [k for k in on[-1] if k.startswith("memory/")]
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("memory/")} for r in rows]  # noqa: E731
+    assert strip(on) == strip(off)
+    last_on, last_off = on[-1], off[-1]
+    assert set(memory) == {"memory/generate_bytes", "memory/logprobs_bytes", "memory/update_bytes", "memory/sync_bytes"}
+    # sampling: only the engine's weights (+ nothing of the policy); kept: policy, reference, engine all resident
+    assert last_on["memory/generate_bytes"] < last_off["memory/generate_bytes"] / 2
+    assert last_on["memory/update_bytes"] < last_off["memory/update_bytes"]

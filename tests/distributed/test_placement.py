@@ -1,0 +1,192 @@
+"""Training placed on Ray workers: colocated FSDP/TP trainers match one process, split + async sampling keeps its
+staleness bound and learns, and a worker killed mid-run stops the run by name with the last checkpoint intact."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before `import ray`: stay on loopback
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no ~/.ray/auth_token
+pytest.importorskip("ray")
+
+from tandem import checkpoint  # noqa: E402
+from tandem.config import load_config  # noqa: E402
+from tandem.rollout import Completion  # noqa: E402
+from tandem.trainer import train  # noqa: E402
+from tandem.workers.group import WorkerError  # noqa: E402
+from tandem.workers.ray_group import ray_session, start_group  # noqa: E402
+from tandem.workers.train import TrainWorker  # noqa: E402
+
+BOUNDED = dict(pg_timeout_s=120, setup_timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def session():
+    folder = tempfile.mkdtemp(prefix="tandem-ray-")  # short: Ray's socket paths live below it
+    with ray_session(num_cpus=4, temp_dir=folder, log_to_driver=False, object_store_memory=100 << 20):
+        yield
+
+
+@pytest.fixture(scope="module")
+def demo_path() -> Path:
+    from tandem.demo import demo_model
+
+    return demo_model()
+
+
+def small_config(model: Path, out: Path, *extra: str):
+    return load_config(None, [
+        f"model.path={model}", f"run.output_dir={out}", "run.steps=4", "run.save_every=2", "run.progress=false",
+        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
+        "rollout.max_new_tokens=4", "data.max_prompt_tokens=8", "batch.micro_batch_tokens=64", "optim.lr=1e-3",
+        "data.eval_size=8", "run.seed=3", "reward_pool.workers=0", "placement.backend=ray", *extra])
+
+
+def fixed_completions(n_groups: int = 4, group: int = 4, seed: int = 0) -> tuple[list[Completion], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    comps = []
+    for i in range(n_groups * group):
+        p = torch.randint(5, 200, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        c = torch.randint(5, 200, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        lp = (-torch.rand(len(c), generator=g) * 5).tolist()
+        comps.append(Completion(p, c, lp, "", "stop", i // group))
+    return comps, torch.randn(len(comps), generator=g)
+
+
+def train_steps(group_call, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    comps, adv = fixed_completions()
+    losses = []
+    for _ in range(steps):
+        group_call("prepare", comps)
+        losses.append(group_call("train", adv)["loss"])
+    return losses, group_call("full_weights")
+
+
+class _Probe(TrainWorker):
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return self.policy.full_state_dict()
+
+
+def test_fsdp_and_fsdp_tp_trainers_match_one_process(session, tiny_model, tmp_path):
+    """The same completions and advantages, 3 updates (KL on, 2 mini-batches: the off-policy path): 2 workers
+    (FSDP dp=2) and 4 workers (dp=2 x tp=2) give the loss and weights of one process. Rows are split unevenly
+    (token-balanced), so the ranks' micro-batch counts differ and the dummy passes run."""
+    extra = ["algo.kl_coef=0.05", "batch.mini_batches=2", "batch.micro_batch_tokens=24"]
+    one = _Probe(small_config(tiny_model, tmp_path / "one", *extra))
+    ref_losses, ref_weights = train_steps(lambda m, *a: getattr(one, m)(*a))
+    for workers, tp in ((2, 1), (4, 2)):
+        cfg = small_config(tiny_model, tmp_path / f"w{workers}", *extra, f"placement.workers={workers}",
+                           f"placement.tensor_parallel={tp}")
+        group = start_group("trainers", functools.partial(_Probe, cfg), workers, **BOUNDED)
+        try:
+            losses, weights = train_steps(lambda m, *a: group.call(m, *a)[0])
+        finally:
+            group.shutdown()
+        # fp32 sums in another order: losses agree to ~1e-7; Adam can turn that into ~1e-6 on tiny-gradient weights
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7), (workers, tp)
+        assert weights.keys() == ref_weights.keys()
+        for name, w in ref_weights.items():
+            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=2e-6, msg=f"{workers}x{tp}: {name}")
+
+
+def _actor_pids(prefix: str = "ray::_Host") -> list[int]:
+    """Ray actor processes of this test process's Ray (descendants whose title starts with `prefix`)."""
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [os.getpid()]
+    while todo:
+        for pid in kids.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            except OSError:
+                continue
+            if title.startswith(prefix):
+                found.append(pid)
+    return found
+
+
+def _kill_after_checkpoint(root: Path, pick) -> threading.Thread:
+    """Once a checkpoint is published, SIGKILL the actor `pick(pids)` chooses (in a background thread)."""
+    def run():
+        deadline = time.monotonic() + 300
+        while checkpoint.latest(root / "checkpoints") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pick(sorted(_actor_pids())), signal.SIGKILL)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _assert_intact(root: Path, step: int) -> None:
+    from safetensors.torch import load_file
+
+    last = checkpoint.latest(root / "checkpoints")
+    assert last is not None and last.name == f"step-{step:08d}"
+    assert json.loads((last / "trainer_state.json").read_text())["step"] == step
+    assert load_file(str(last / "model.safetensors"))
+
+
+def _train_until_killed(cfg, root: Path, error: str) -> None:
+    """Train until a checkpoint exists, SIGKILL the newest actor, and expect a prompt, named stop."""
+    killer = _kill_after_checkpoint(root, lambda pids: pids[-1])
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=error):
+        train(cfg)
+    assert time.monotonic() - start < 240
+    killer.join(1)
+    last = checkpoint.latest(root / "checkpoints")
+    _assert_intact(root, int(last.name.split("-")[1]))
+
+
+def test_killed_colocated_worker_stops_the_run_by_name(session, tiny_model, tmp_path):
+    cfg = small_config(tiny_model, tmp_path, "run.steps=200", "run.keep_checkpoints=1", "placement.workers=2")
+    _train_until_killed(cfg, tmp_path, r"worker \d/2 of 'hybrid' died in \w+")
+
+
+def test_killed_sampler_stops_the_run_by_name(session, tiny_model, tmp_path):
+    # actors start in rank order (the trainer, then the samplers): the newest process is a sampler
+    cfg = small_config(tiny_model, tmp_path, "run.steps=200", "run.keep_checkpoints=1", "placement.mode=split",
+                       "placement.rollout_workers=2", "placement.schedule=async")
+    _train_until_killed(cfg, tmp_path, r"worker \d/2 of 'samplers' died in \w+")
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("samplers", [1, 2])
+def test_async_sampling_keeps_the_staleness_bound_and_learns(session, demo_path, tmp_path, samplers):
+    from tandem.cli import DEMO_DEFAULTS
+
+    steps = 12 if samplers == 1 else 6
+    cfg = load_config(None, [
+        f"model.path={demo_path}", f"run.output_dir={tmp_path}", f"run.steps={steps}", "run.eval_every=0",
+        "run.save_every=0", "run.progress=false", "run.plots=false", "run.tensorboard=false", "data.eval_size=200",
+        "reward_pool.workers=0", "placement.backend=ray", "placement.mode=split",
+        f"placement.rollout_workers={samplers}", "placement.schedule=async", "placement.max_staleness=1"],
+        DEMO_DEFAULTS)
+    summary = train(cfg)
+    rows = [r for r in read_metrics(tmp_path) if r["step"] > 0]
+    staleness = [r["async/staleness"] for r in rows]
+    # step 1 is sampled by the initial weights (version 0) with the trainer at version 0; from then on the
+    # sampler runs exactly one version behind: never more than the bound, never on-policy
+    assert staleness == [0] + [1] * (steps - 1)
+    assert all(r["sync/bytes"] > 0 for r in rows)
+    if samplers == 1:
+        assert summary["eval/accuracy"] > summary["initial_eval/accuracy"] + 0.25, summary
