@@ -6,7 +6,8 @@
 For every case: bytes moved over the lower bound (the planner's target is exactly 1.00); the median time of the
 planned reshard; the naive path (all_gather every parameter's local shards onto every rank, then slice) in time
 and bytes; and a disk round trip (rank 0 saves the full model with safetensors, every rank loads it and slices;
-the full model is assumed already on rank 0, and the page cache is warm, both in the disk path's favour).
+the full model is assumed already on rank 0, and the page cache is warm, both in the disk path's favour), and the
+round trip the issue names, `save_pretrained` on rank 0 then `from_pretrained` on every rank (`hf/time`).
 Times are the slowest rank's, median of --repeats after one warm-up. Every result is checked bit for bit.
 """
 from __future__ import annotations
@@ -89,6 +90,22 @@ def disk(rank: int, dst: ModelLayout, full: dict[str, torch.Tensor], folder: str
     return out
 
 
+def hf_round_trip(rank: int, shape: Qwen2Shape, folder: str) -> None:
+    """The path the issue names: rank 0 `save_pretrained`s a real Qwen2 of the dense shape (tied embeddings off,
+    like the parameter set), every rank `from_pretrained`s it (what an engine reloading from disk pays)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = os.path.join(folder, "hf")
+    if rank == 0:
+        cfg = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                          num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                          intermediate_size=shape.intermediate, tie_word_embeddings=False)
+        Qwen2ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    dist.barrier()
+    Qwen2ForCausalLM.from_pretrained(path)
+    dist.barrier()
+
+
 def timed(fn, repeats: int) -> tuple[float, object]:
     """Median over repeats (after a warm-up) of the slowest rank's seconds."""
     times, result = [], None
@@ -111,6 +128,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
                        intermediate=args.intermediate)
     moe = Qwen2Shape(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4,
                      intermediate=args.intermediate // 4, experts=4)
+    t_hf, _ = timed(lambda: hf_round_trip(rank, dense, folder), 2)
     rows = []
     for name, (src, dst) in cases(dense, moe).items():
         g = torch.Generator().manual_seed(0)
@@ -132,9 +150,9 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
         print(f"\nresharding: {WORLD} gloo processes on loopback, torch threads={args.threads} each, fp32, "
               f"bucket {args.bucket_mb} MiB, median of {args.repeats} (slowest rank)")
         head = (f"{'case':<38} {'model':>6} {'moved':>7} {'moved/':>7} {'plan':>6} {'reshard':>8} {'naive':>8} "
-                f"{'naive/':>7} {'naive/':>7} {'disk':>8} {'disk/':>7} {'exact':>5}")
+                f"{'naive/':>7} {'naive/':>7} {'disk':>8} {'disk/':>7} {'hf/':>7} {'exact':>5}")
         sub = (f"{'':<38} {'MiB':>6} {'MiB':>7} {'lower':>7} {'ms':>6} {'ms':>8} {'ms':>8} "
-               f"{'time':>7} {'bytes':>7} {'ms':>8} {'time':>7} {'':>5}")
+               f"{'time':>7} {'bytes':>7} {'ms':>8} {'time':>7} {'time':>7} {'':>5}")
         print(head)
         print(sub)
         print("-" * len(head))
@@ -142,8 +160,10 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
             ratio = moved / lower if lower else 1.0  # nothing to move and nothing moved: exact
             less = f"{nb / moved:>6.1f}x" if moved else f"{'all':>7}"  # "all": the plan moves nothing at all
             print(f"{name:<38} {mb:>6.1f} {moved / 2**20:>7.1f} {ratio:>7.2f} {plan_s * 1e3:>6.1f} {tp * 1e3:>8.1f} "
-                  f"{tn * 1e3:>8.1f} {tn / tp:>6.1f}x {less} {td * 1e3:>8.1f} {td / tp:>6.1f}x "
+                  f"{tn * 1e3:>8.1f} {tn / tp:>6.1f}x {less} {td * 1e3:>8.1f} {td / tp:>6.1f}x {t_hf / tp:>6.1f}x "
                   f"{'yes' if ok else 'NO':>5}")
+        print(f"hf: save_pretrained on rank 0 + from_pretrained on every rank (the issue's disk round trip) took "
+              f"{t_hf * 1e3:.0f} ms; disk: raw safetensors save + load + slice, warm page cache (the harder baseline)")
     dist.barrier()
     dist.destroy_process_group()
 
