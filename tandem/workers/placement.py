@@ -29,6 +29,8 @@ class Rollout:
 
 @dataclass
 class PendingRollout:
+    """A rollout in flight on the samplers; `get` waits and puts the shares back in prompt order."""
+
     pending: Any
     shares: list[list[int]]
 
@@ -48,11 +50,13 @@ class PendingRollout:
 
 @dataclass
 class Placement:
+    """What the controller calls, however the workers are placed (built by `build`)."""
+
     trainers: WorkerGroup
     samplers: WorkerGroup  # the same group as `trainers` when colocated
     split: bool
     expected_completion_tokens: float = 0.0  # running estimate used to balance prompts over samplers
-    _owned: list = field(default_factory=list)
+    groups: list = field(default_factory=list)  # every group started, to shut down
 
     def submit_generate(self, prompts: list[list[int]], sampling: Sampling) -> PendingRollout:
         """Spread prompts over the samplers so they finish together: balanced by expected tokens, not count."""
@@ -94,7 +98,7 @@ class Placement:
         self.sync_weights(version)
 
     def shutdown(self) -> None:
-        for g in self._owned:
+        for g in self.groups:
             g.shutdown()
 
 
@@ -103,27 +107,32 @@ def build(cfg: Config) -> Placement:
     pl = cfg.placement
     if pl.backend == "local":
         group = LocalWorkerGroup(functools.partial(HybridWorker, cfg), 1)
-        return Placement(group, group, split=False, _owned=[group])
+        return Placement(group, group, split=False, groups=[group])
     from tandem.workers.ray_group import GroupSpec, start_groups
 
     res = dict(cpus_per_worker=pl.cpus_per_worker, gpus_per_worker=pl.gpus_per_worker)
     if pl.mode == "colocate":
         (group,) = start_groups([GroupSpec("hybrid", functools.partial(HybridWorker, cfg), pl.workers, **res)],
                                 address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
-        group.call("sync_weights", 0)
-        return Placement(group, group, split=False, _owned=[group])
+        placement = Placement(group, group, split=False, groups=[group])
+        try:
+            group.call("sync_weights", 0)  # plans the in-group reshard once, and checks it, before any step
+        except BaseException:
+            placement.shutdown()
+            raise
+        return placement
     trainers, samplers = start_groups(
         [GroupSpec("trainers", functools.partial(TrainWorker, cfg), pl.train_workers, **res),
          GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res)],
         address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
-    placement = Placement(trainers, samplers, split=True, _owned=[trainers, samplers])
+    placement = Placement(trainers, samplers, split=True, groups=[trainers, samplers])
     try:
         from tandem.sync.layout import replicated_layout
         from tandem.sync.planner import plan
 
         src = trainers.call("weight_layout")[0]
         shapes = {n: (p.shape, p.dtype) for n, p in src.items()}
-        sync_plan = plan(src, replicated_layout(shapes, trainers.call("group_ranks")[0]["samplers"]))
+        sync_plan = plan(src, replicated_layout(shapes, samplers.global_ranks))
         trainers.call("set_sync_plan", sync_plan)
         samplers.call("set_sync_plan", sync_plan)
     except BaseException:

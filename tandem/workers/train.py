@@ -101,9 +101,6 @@ class TrainWorker:
             return replicated_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, [self.ctx.global_rank])
         return layout_from_dtensors(self.local_weights())
 
-    def group_ranks(self) -> dict[str, list[int]]:
-        return self.ctx.group_ranks
-
     def set_sync_plan(self, plan) -> None:
         self._plan = plan
 

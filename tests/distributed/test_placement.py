@@ -188,5 +188,41 @@ def test_async_sampling_keeps_the_staleness_bound_and_learns(session, demo_path,
     # sampler runs exactly one version behind: never more than the bound, never on-policy
     assert staleness == [0] + [1] * (steps - 1)
     assert all(r["sync/bytes"] > 0 for r in rows)
+    # the final checkpoint's prompt position is where trained batches end, not where sampling ran ahead to:
+    # a resumed run re-samples the batch that was in flight
+    state = json.loads((checkpoint.latest(tmp_path / "checkpoints") / "trainer_state.json").read_text())
+    from tandem.data.arithmetic import rows as arithmetic_rows
+
+    n_train = len(arithmetic_rows("train"))
+    assert state["data"]["epoch"] * n_train + state["data"]["index"] == steps * cfg.batch.prompts_per_step
     if samplers == 1:
         assert summary["eval/accuracy"] > summary["initial_eval/accuracy"] + 0.25, summary
+
+
+TIMING = ("time/", "tokens_per_s", "rollout/tokens_per_s", "sync/seconds", "memory/")
+
+
+def _cut_at_step_2(full: Path, cut: Path) -> None:
+    """A copy of run `full` as if killed after its step-2 checkpoint."""
+    import shutil
+
+    shutil.copytree(full, cut)
+    for later in (cut / "checkpoints").glob("step-*"):
+        if later.name != "step-00000002":
+            shutil.rmtree(later)
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
+
+
+def test_two_worker_resume_reproduces_the_uninterrupted_run(session, tiny_model, tmp_path):
+    """Sharded optimizer state per rank, the gathered HF weights and the resharded engines: a colocated 2-worker
+    run resumed from its step-2 checkpoint ends with the metrics of the run that never stopped."""
+    extra = ("placement.workers=2", "algo.kl_coef=0.05", "rewards=[{name: 'toy_rewards:text_length'}]")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # toy_rewards, in the driver
+    train(small_config(tiny_model, tmp_path / "full", *extra))
+    _cut_at_step_2(tmp_path / "full", tmp_path / "cut")
+    train(small_config(tiny_model, tmp_path / "cut", *extra), resume=True)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
