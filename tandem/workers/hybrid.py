@@ -38,7 +38,7 @@ class HybridWorker(TrainWorker):
         self.version = 0
         self._resident: dict[str, int] = {}
         self._engine_awake = True
-        self._plan = None
+        self._group_plan = None
 
     def _enter(self, phase: str) -> None:
         """Make the device hold exactly what `phase` needs (when offloading); record the bytes resident."""
@@ -86,14 +86,14 @@ class HybridWorker(TrainWorker):
         from tandem.sync.reshard import reshard_iter
 
         start = time.perf_counter()
-        if self._plan is None:  # the layouts never change during a run: plan once (every rank alike)
+        if self._group_plan is None:  # the layouts never change during a run: plan once (every rank alike)
             src = self.weight_layout()
             shapes = {n: (p.shape, p.dtype) for n, p in src.items()}
-            self._plan = plan(src, replicated_layout(shapes, self.ctx.group_ranks[self.ctx.name]))
-        for bucket in reshard_iter(self._plan, self.ctx.global_rank, self.local_weights(),
+            self._group_plan = plan(src, replicated_layout(shapes, self.ctx.group_ranks[self.ctx.name]))
+        for bucket in reshard_iter(self._group_plan, self.ctx.global_rank, self.local_weights(),
                                    bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20):
             self.engine.load_weights(bucket)
-        return {"seconds": time.perf_counter() - start, "bytes": self._plan.bytes_moved}
+        return {"seconds": time.perf_counter() - start, "bytes": self._group_plan.bytes_moved}
 
     def save(self, folder: str) -> None:
         self.policy.load("params", "optim")  # a checkpoint reads them; the next phase offloads them again
