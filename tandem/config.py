@@ -327,10 +327,11 @@ class Config(Section):
         if pl.schedule == "async" and pl.mode != "split":
             raise ConfigError("placement.schedule: async needs placement.mode: split (colocated workers time-slice "
                               "one device: there is nothing to overlap); use schedule: sync or mode: split")
-        if pl.backend == "ray" and self.rollout.engine == "vllm" and self.rollout.vllm.mode == "inprocess":
-            raise ConfigError("rollout.vllm.mode: inprocess cannot run inside Ray workers yet: vLLM sets up its own "
-                              "torch.distributed world, which clashes with the workers' process group (seen to hang "
-                              "on CPU); use rollout.vllm.mode: server, or rollout.engine: hf")
+        if pl.backend == "ray" and self.rollout.engine == "vllm":
+            raise ConfigError("rollout.engine: vllm cannot run inside Ray workers yet: in process, vLLM sets up its own "
+                              "torch.distributed world over the workers' one (seen to hang on CPU); as a server started "
+                              "from a worker, its engine failed on the first request; use rollout.engine: hf with "
+                              "placement.backend: ray, or vLLM with placement.backend: local")
         if pl.schedule == "async" and self.algo.dynamic_sampling:
             raise ConfigError("algo.dynamic_sampling: not supported with placement.schedule: async yet; turn one off")
         if self.eval.k > 1 and self.eval.temperature == 0:

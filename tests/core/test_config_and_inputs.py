@@ -59,7 +59,7 @@ def test_bad_value_names_field_and_value():
     (["placement.schedule=async"], r"placement\.schedule: async needs placement\.mode: split"),
     (["placement.backend=ray", "placement.mode=split", "placement.schedule=async", "algo.dynamic_sampling=true"],
      r"algo\.dynamic_sampling: not supported with placement\.schedule: async"),
-    (["placement.backend=ray", "rollout.engine=vllm"], r"rollout\.vllm\.mode: inprocess cannot run inside Ray"),
+    (["placement.backend=ray", "rollout.engine=vllm"], r"rollout\.engine: vllm cannot run inside Ray workers"),
 ])
 def test_impossible_arithmetic_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
