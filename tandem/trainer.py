@@ -108,7 +108,6 @@ def sampling_for(cfg: Config, seed: int) -> Sampling:
 
 @dataclass
 class InFlight:
-    step: int
     prompts: list[Prompt]
     pending: PendingRollout
     stream_state: dict  # the prompt stream before this batch was taken: where a resume must restart
@@ -130,7 +129,7 @@ class Rollouts:
         state = run.stream.state_dict()
         prompts = run.stream.take(run.cfg.batch.prompts_per_step)
         seed = run.cfg.run.seed * 1_000_003 + step * 97 + rnd
-        return InFlight(step, prompts, run.workers.submit_generate([p.ids for p in prompts], sampling_for(run.cfg, seed)),
+        return InFlight(prompts, run.workers.submit_generate([p.ids for p in prompts], sampling_for(run.cfg, seed)),
                         state)
 
     def take(self, step: int, rnd: int, t: Timer) -> tuple[list[Prompt], Rollout]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
-from tandem.sync.layout import Box, ModelLayout, Piece, contains, intersect, numel, subtract
+from tandem.sync.layout import Box, ModelLayout, Piece, contains, intersect, numel, replicated_layout, subtract
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,9 @@ def plan(src: ModelLayout, dst: ModelLayout) -> Plan:
                             out.received[r] = out.received.get(r, 0) + nbytes
                     out.lower_bound += numel(b) * item
     return out
+
+
+def plan_to_replicas(src: ModelLayout, ranks: Iterable[int]) -> Plan:
+    """The plan that leaves every parameter whole on each of `ranks` (the rollout engines' layout, colocated or
+    split), from wherever `src` has it."""
+    return plan(src, replicated_layout({n: (p.shape, p.dtype) for n, p in src.items()}, ranks))

@@ -1,7 +1,5 @@
-"""Data and tensor parallelism for the policy: the (dp, tp) mesh, FSDP2 + TP wrapping, and full-weight gathering."""
+"""Data and tensor parallelism for the policy: the (dp, tp) mesh, FSDP2 + TP wrapping, and sharded grad clipping."""
 from __future__ import annotations
-
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -110,28 +108,6 @@ def hf_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
-
-
-def full_weights(model: nn.Module, bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Each parameter gathered to its full tensor, in buckets of about `bucket_bytes`, with HF names.
-
-    Collective: every rank of the mesh must iterate it to the end. The gathered tensors of one bucket are the
-    only extra memory, as long as the consumer drops a bucket before asking for the next. Tied parameters appear
-    once (under the first name), as `named_parameters()` gives them.
-    """
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, p in model.named_parameters():
-        t = p.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        bucket.append((hf_name(name), t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:

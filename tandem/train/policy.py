@@ -112,7 +112,6 @@ class Policy:
         self.offloader = Offloader(self.device, offload_bucket_bytes)
         for group in ("params", "grads", "optim", "ref"):
             self.offloader.register(group, lambda g=group: self._tensors(g))
-        self.residency_report: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ data parallel layout
 
@@ -168,24 +167,13 @@ class Policy:
         """Bring offloaded groups back to the device (the same tensor objects, contents restored)."""
         return self.offloader.load(*groups)
 
-    def residency(self, phase: str | None = None) -> dict[str, int]:
-        """Device bytes per group now; recorded under `phase` in `residency_report` when one is named."""
-        now = self.offloader.resident_bytes()
-        if phase is not None:
-            self.residency_report[phase] = now
-        return now
+    def residency(self) -> dict[str, int]:
+        """Device bytes per group (params, grads, optim, ref) now."""
+        return self.offloader.resident_bytes()
 
-    def named_weights(self, bucket_bytes: int = 256 << 20):
-        """(HF name, full tensor) of every parameter. With a mesh it gathers (collective: every rank iterates it)."""
-        if self.mesh is None:
-            return ((n, p.detach()) for n, p in self.model.named_parameters())
-        return (item for bucket in self.weight_buckets(bucket_bytes) for item in bucket)
-
-    def weight_buckets(self, bucket_bytes: int = 256 << 20):
-        """Full weights in buckets of about `bucket_bytes` (the plain weight-sync path); see parallel.full_weights."""
-        from tandem.train.parallel import full_weights
-
-        return full_weights(self.model, bucket_bytes)
+    def named_weights(self):
+        """(HF name, tensor) of every parameter; with a mesh these are DTensor shards (tandem.sync reshards them)."""
+        return ((n, p.detach()) for n, p in self.model.named_parameters())
 
     def on_policy(self, n_mini_batches: int) -> bool:
         """True when the only update is the first: its own forward, detached, is the old policy's logprobs."""

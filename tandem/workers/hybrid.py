@@ -52,7 +52,7 @@ class HybridWorker(TrainWorker):
             if "engine" in need and not self._engine_awake:
                 self.engine.wake()  # contents undefined until the sync below writes them
                 self._engine_awake = True
-        self._resident[phase] = sum(self.policy.residency(phase).values()) + self._engine_bytes()
+        self._resident[phase] = sum(self.policy.residency().values()) + self._engine_bytes()
 
     def _engine_bytes(self) -> int:
         resident = getattr(self.engine, "resident_bytes", None)
@@ -81,15 +81,12 @@ class HybridWorker(TrainWorker):
         self.version = version
         if self.mesh is None:
             return push_weights(self.policy.named_weights(), self.engine)
-        from tandem.sync.layout import replicated_layout
-        from tandem.sync.planner import plan
+        from tandem.sync.planner import plan_to_replicas
         from tandem.sync.reshard import reshard_iter
 
         start = time.perf_counter()
         if self._group_plan is None:  # the layouts never change during a run: plan once (every rank alike)
-            src = self.weight_layout()
-            shapes = {n: (p.shape, p.dtype) for n, p in src.items()}
-            self._group_plan = plan(src, replicated_layout(shapes, self.ctx.group_ranks[self.ctx.name]))
+            self._group_plan = plan_to_replicas(self.weight_layout(), self.ctx.group_ranks[self.ctx.name])
         for bucket in reshard_iter(self._group_plan, self.ctx.global_rank, self.local_weights(),
                                    bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20):
             self.engine.load_weights(bucket)

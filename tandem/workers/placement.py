@@ -127,12 +127,9 @@ def build(cfg: Config) -> Placement:
         address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
     placement = Placement(trainers, samplers, split=True, groups=[trainers, samplers])
     try:
-        from tandem.sync.layout import replicated_layout
-        from tandem.sync.planner import plan
+        from tandem.sync.planner import plan_to_replicas
 
-        src = trainers.call("weight_layout")[0]
-        shapes = {n: (p.shape, p.dtype) for n, p in src.items()}
-        sync_plan = plan(src, replicated_layout(shapes, samplers.global_ranks))
+        sync_plan = plan_to_replicas(trainers.call("weight_layout")[0], samplers.global_ranks)
         trainers.call("set_sync_plan", sync_plan)
         samplers.call("set_sync_plan", sync_plan)
     except BaseException:

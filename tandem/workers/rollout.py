@@ -1,6 +1,7 @@
 """The sampler role: one rollout engine that generates, and takes new weights between generations."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,8 +27,6 @@ class Generated:
 
 def engine_args(cfg: Config) -> tuple[str, dict]:
     """The engine's name and constructor arguments from the config."""
-    import sys
-
     m, r = cfg.model, cfg.rollout
     if r.engine == "hf":
         return "hf", dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, trust_remote_code=m.trust_remote_code)

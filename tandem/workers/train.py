@@ -90,7 +90,7 @@ class TrainWorker:
 
     def local_weights(self) -> dict:
         """This rank's piece of every parameter (a DTensor's local shard is read by the executor)."""
-        return {n: p.detach() for n, p in self.policy.model.named_parameters()}
+        return dict(self.policy.named_weights())
 
     def weight_layout(self):
         """This group's training layout of every parameter in global ranks: where each byte lives now."""
@@ -137,6 +137,3 @@ class TrainWorker:
 
     def _optimizer_file(self) -> str:
         return "optimizer.pt" if self.ctx.size == 1 else f"optimizer-rank{self.ctx.rank}-of-{self.ctx.size}.pt"
-
-    def close(self) -> None:
-        pass

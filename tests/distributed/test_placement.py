@@ -18,6 +18,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before `impor
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no ~/.ray/auth_token
 pytest.importorskip("ray")
 
+from procs import descendants  # noqa: E402
+
 from tandem import checkpoint  # noqa: E402
 from tandem.config import load_config  # noqa: E402
 from tandem.rollout import Completion  # noqa: E402
@@ -98,26 +100,9 @@ def test_fsdp_and_fsdp_tp_trainers_match_one_process(session, tiny_model, tmp_pa
             torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=2e-6, msg=f"{workers}x{tp}: {name}")
 
 
-def _actor_pids(prefix: str = "ray::_Host") -> list[int]:
-    """Ray actor processes of this test process's Ray (descendants whose title starts with `prefix`)."""
-    kids: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for pid in kids.get(todo.pop(), []):
-            todo.append(pid)
-            try:
-                title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            except OSError:
-                continue
-            if title.startswith(prefix):
-                found.append(pid)
-    return found
+def _actor_pids() -> list[int]:
+    """Ray actor processes of this test process's Ray (their title starts with ray::_Host)."""
+    return [pid for pid, cmd in descendants() if cmd.startswith("ray::_Host")]
 
 
 def _kill_after_checkpoint(root: Path, pick) -> threading.Thread:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before `impor
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no ~/.ray/auth_token
 pytest.importorskip("ray")
 
+from procs import descendants  # noqa: E402
 from ray_workers import ProbeWorker  # noqa: E402
 
 from tandem.workers.group import WorkerError  # noqa: E402
@@ -27,18 +27,7 @@ BOUNDED = dict(pg_timeout_s=120, setup_timeout_s=120)  # a broken test fails ins
 def _ray_processes() -> list[str]:
     """Live Ray processes descended from this one (raylet, gcs_server, workers; other tests' helpers, such as
     the reward pool or a multiprocessing resource tracker, are not Ray's and are left out)."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,args="], capture_output=True, text=True, check=True).stdout
-    rows = [line.split(None, 3) for line in out.splitlines()]
-    children: dict[int, list[tuple[int, str, str]]] = {}
-    for pid, ppid, stat, *args in rows:
-        children.setdefault(int(ppid), []).append((int(pid), stat, args[0] if args else ""))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for pid, stat, args in children.get(todo.pop(), []):
-            todo.append(pid)
-            if not stat.startswith("Z") and "ray" in args.lower():
-                found.append(f"{pid} {args}")
-    return found
+    return [f"{pid} {cmd}" for pid, cmd in descendants() if "ray" in cmd.lower()]
 
 
 def _pid_alive(pid: int) -> bool:
