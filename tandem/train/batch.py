@@ -3,6 +3,9 @@
 Left padding puts every sequence's last token in the last column, so the completion tokens of a micro-batch
 sit in its last `T` columns (T = longest completion in it): the LM head runs on those columns only, and the
 per-token tensors (targets, masks, logprobs) are [rows, T], right-aligned.
+
+A micro-batch whose rows repeat a prompt (GRPO's groups) also carries the prompt-once layout (`SharedPrompts`):
+the trainer then runs each distinct prompt once instead of once per completion.
 """
 from __future__ import annotations
 
@@ -11,6 +14,25 @@ from dataclasses import dataclass
 import torch
 
 from tandem.rollout.base import Completion
+
+
+@dataclass
+class SharedPrompts:
+    """A micro-batch's distinct prompts, to be run once each: every row's completion then attends to its prompt's
+    keys and values instead of recomputing them (GRPO samples `group_size` completions of each prompt).
+
+    The completion side is the micro-batch's `targets` [b, T] (right-aligned, pads masked out), so the first
+    completion token of a row sits in column T - n; its logit comes from the prompt's last position and every later
+    one from the completion column before it.
+    """
+
+    ids: torch.Tensor  # [u, P] the distinct prompts, left-padded
+    attention_mask: torch.Tensor  # [u, P]
+    position_ids: torch.Tensor  # [u, P]
+    of_row: torch.Tensor  # [b] which prompt each row continues
+    completion_attention: torch.Tensor  # [b, T] 1 on completion tokens (the loss mask may drop some; this does not)
+    completion_positions: torch.Tensor  # [b, T] position of each completion token after its prompt
+    first: torch.Tensor  # [b, T] True at each row's first completion token
 
 
 @dataclass
@@ -25,6 +47,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [b]
     old_logprobs: torch.Tensor | None = None  # [b, T], filled before updates when mu > 1 or mini_batches > 1
     ref_logprobs: torch.Tensor | None = None  # [b, T], filled when kl_coef > 0
+    shared: SharedPrompts | None = None  # set when rows repeat a prompt: the prompt-once layout of the same rows
 
     @property
     def width(self) -> int:
@@ -58,26 +81,46 @@ def pack(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def collate(completions: list[Completion], rows: list[int], advantages: torch.Tensor, pad_id: int) -> MicroBatch:
-    seqs = [completions[i].prompt_ids + completions[i].completion_ids for i in rows]
+    prompts = [completions[i].prompt_ids for i in rows]
+    outs = [completions[i].completion_ids for i in rows]
+    seqs = [p + c for p, c in zip(prompts, outs)]
     L = max(map(len, seqs))
-    T = max(len(completions[i].completion_ids) for i in rows)
-    b = len(rows)
-    ids = torch.full((b, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, L), dtype=torch.long)
-    targets = torch.full((b, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, T), dtype=torch.float32)
-    slp = torch.zeros((b, T), dtype=torch.float32)
-    for j, (i, s) in enumerate(zip(rows, seqs)):
-        c = completions[i]
-        ids[j, L - len(s):] = torch.tensor(s)
-        attn[j, L - len(s):] = 1
-        n = len(c.completion_ids)
-        if n:
-            targets[j, T - n:] = torch.tensor(c.completion_ids)
-            mask[j, T - n:] = 1.0
-            slp[j, T - n:] = torch.tensor(c.logprobs, dtype=torch.float32)
+    T = max(map(len, outs))
+    ids, attn = _left_pad(seqs, L, pad_id)
+    targets, mask = _left_pad(outs, T, pad_id)
+    slp = torch.tensor([[0.0] * (T - len(c)) + list(completions[i].logprobs) for i, c in zip(rows, outs)],
+                       dtype=torch.float32).view(len(rows), T)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    return MicroBatch(rows, ids, attn, pos, targets, mask, slp, advantages[rows].float())
+    mb = MicroBatch(rows, ids, attn, pos, targets, mask.float(), slp, advantages[rows].float())
+    mb.shared = _shared_prompts(prompts, outs, T, pad_id)
+    return mb
+
+
+def _left_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, width] right-aligned token ids and their 0/1 mask (one tensor built from lists: no per-row copies)."""
+    ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in seqs], dtype=torch.long).view(len(seqs), width)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long).view(len(seqs), width)
+    return ids, mask
+
+
+def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad_id: int) -> SharedPrompts | None:
+    """The prompt-once layout of these rows, or None when no prompt repeats (nothing to save) or nothing is generated."""
+    index: dict[tuple[int, ...], int] = {}
+    of_row = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    if len(index) == len(prompts) or T == 0:
+        return None
+    distinct = [list(p) for p in index]
+    ids, attn = _left_pad(distinct, max(map(len, distinct)), pad_id)
+    n = torch.tensor([len(c) for c in outs])
+    col = torch.arange(T)
+    start = T - n  # first completion column of each row
+    plen = torch.tensor([len(p) for p in prompts])
+    return SharedPrompts(
+        ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), of_row=torch.tensor(of_row),
+        completion_attention=(col >= start[:, None]).long(),
+        completion_positions=(plen[:, None] + col - start[:, None]).clamp(min=0),
+        first=col == start[:, None],
+    )
 
 
 def make_micro_batches(completions: list[Completion], advantages: torch.Tensor, budget: int, pad_id: int,

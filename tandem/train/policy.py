@@ -41,13 +41,24 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
     return f
 
 
-def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
+def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
+                   share_prompts: bool = False):
     """log pi(target) for the completion tokens of `mb` [b, T], and their entropies when asked (with a
-    gradient only when an entropy bonus needs one)."""
-    T = mb.width
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                use_cache=False, logits_to_keep=T + 1)
-    logits = out.logits[:, :-1, :].float()
+    gradient only when an entropy bonus needs one).
+
+    `share_prompts`: run each distinct prompt once and its rows' completions on its keys and values (`mb.shared`),
+    instead of every row's full sequence: the same logprobs to float rounding, with the prompt's tokens computed once
+    per group instead of once per completion. Two forwards per pass, so only where that is safe for the model's
+    wrapping (not under FSDP, whose hooks expect one forward per backward).
+    """
+    if share_prompts and mb.shared is not None:
+        logits = _shared_prompt_logits(model, mb)
+    else:
+        T = mb.width
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                    use_cache=False, logits_to_keep=T + 1)
+        logits = out.logits[:, :-1, :]
+    logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -59,6 +70,23 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = torch.where(mb.mask > 0, -(logp_all.exp() * logp_all).sum(-1), torch.zeros_like(logp))
     return logp, entropy
+
+
+def _shared_prompt_logits(model, mb: MicroBatch) -> torch.Tensor:
+    """Logits [b, T, V] predicting each completion token: distinct prompts first (their cache, selected per row, is
+    differentiable, so gradients from every completion add up in the prompt's activations), then the completions."""
+    from transformers import DynamicCache
+
+    sp = mb.shared
+    cache = DynamicCache(config=model.config)
+    head = model(input_ids=sp.ids, attention_mask=sp.attention_mask, position_ids=sp.position_ids,
+                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [u, 1, V]: the first token's
+    cache.batch_select_indices(sp.of_row)
+    attention = torch.cat([sp.attention_mask[sp.of_row], sp.completion_attention], dim=1)
+    rest = model(input_ids=mb.targets, attention_mask=attention, position_ids=sp.completion_positions,
+                 past_key_values=cache, use_cache=True).logits  # [b, T, V]: column t predicts column t + 1
+    shifted = torch.cat([rest[:, :1], rest[:, :-1]], dim=1)
+    return torch.where(sp.first.unsqueeze(-1), head[sp.of_row], shifted)
 
 
 class Policy:
@@ -86,6 +114,7 @@ class Policy:
         self.max_new_tokens = max_new_tokens
         self.stale_samples = stale_samples
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
+        self.share_prompts = self.mesh is None  # see token_logprobs: FSDP's hooks want one forward per backward
         self.model = load_causal_lm(model_path, dtype, trust_remote_code)
         if device is not None:
             self.model.to(device)
@@ -200,10 +229,11 @@ class Policy:
             if self.sampler_is_old:
                 mb.old_logprobs = mb.sampler_logprobs  # first-pass stats come from the update's first forward
             elif old:
-                mb.old_logprobs, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=True)
+                mb.old_logprobs, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=True,
+                                                      share_prompts=self.share_prompts)
                 self._first_pass_stats(mb, mb.old_logprobs, ent, sums)
             if self.ref is not None:
-                mb.ref_logprobs, _ = token_logprobs(self.ref, mb, self.temperature)
+                mb.ref_logprobs, _ = token_logprobs(self.ref, mb, self.temperature, share_prompts=self.share_prompts)
             if self.algo.kl_in_reward:
                 kl = KL_ESTIMATORS[self.algo.kl_estimator](mb.old_logprobs, mb.ref_logprobs)
                 for row, pen in zip(mb.rows, kl_reward_penalty(kl, mb.mask, self.algo.kl_coef).tolist()):
@@ -252,7 +282,7 @@ class Policy:
                     first_pass = on_policy or (self.sampler_is_old and epoch == 0)
                     need_entropy = first_pass or a.entropy_coef > 0
                     logp, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=need_entropy,
-                                               entropy_grad=a.entropy_coef > 0)
+                                               entropy_grad=a.entropy_coef > 0, share_prompts=self.share_prompts)
                     if first_pass:
                         self._first_pass_stats(mb, logp, ent.detach(), sums)
                     old = logp.detach() if on_policy else mb.old_logprobs

@@ -1,0 +1,65 @@
+"""Prompt-once logprobs: each distinct prompt runs once and its completions attend to its cache; the logprobs,
+entropies and gradients equal the full-sequence forward's to float rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.rollout.base import Completion
+from tandem.train.batch import make_micro_batches
+from tandem.train.policy import token_logprobs
+
+
+def _model(kind: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, max_position_embeddings=64, pad_token_id=0)
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)).train()
+    return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False)).train()
+
+
+def _completions() -> list[Completion]:
+    """Three prompts of different lengths, groups of 3 with uneven completions, one of them empty."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    lengths = [[4, 1, 3], [2, 0, 5], [5, 5, 1]]
+    comps = []
+    for i, (p, ns) in enumerate(zip(prompts, lengths)):
+        for n in ns:
+            comps.append(Completion(p, torch.randint(1, 64, (n,), generator=g).tolist(), [0.0] * n, "", "stop", i))
+    return comps
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_prompt_once_matches_the_full_sequences(kind, temperature):
+    model = _model(kind)
+    comps = _completions()
+    (mb,) = make_micro_batches(comps, torch.linspace(-1, 1, len(comps)), 4096, pad_id=0)
+    assert mb.shared is not None and mb.shared.ids.shape[0] == 3 and len(mb.rows) == 9
+    mb.mask[4] = 0.0  # a row the loss drops (e.g. truncated) still attends to its own tokens
+
+    def run(share: bool):
+        model.zero_grad()
+        logp, ent = token_logprobs(model, mb, temperature, with_entropy=True, entropy_grad=True, share_prompts=share)
+        ((logp * mb.advantages[:, None]).sum() + 0.1 * ent.sum()).backward()
+        return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    full, shared = run(False), run(True)
+    assert torch.allclose(full[0], shared[0], atol=2e-5), (full[0] - shared[0]).abs().max()
+    assert torch.allclose(full[1], shared[1], atol=2e-5)
+    assert full[0][mb.mask > 0].abs().min() > 0  # real logprobs, not zeros on both sides
+    for name, g in full[2].items():
+        assert torch.allclose(g, shared[2][name], rtol=1e-4, atol=1e-6), name
+
+
+def test_no_repeated_prompt_means_no_shared_layout():
+    comps = [Completion([5 + i, 6], [7, 8], [0.0, 0.0], "", "stop", i) for i in range(4)]
+    (mb,) = make_micro_batches(comps, torch.zeros(4), 4096, pad_id=0)
+    assert mb.shared is None
+    comps.append(Completion([5, 6], [9], [0.0], "", "stop", 0))
+    (mb,) = make_micro_batches(comps, torch.zeros(5), 4096, pad_id=0)
+    assert mb.shared is not None and mb.shared.of_row.tolist() == [0, 1, 2, 3, 0]
