@@ -4,11 +4,12 @@
 
 4 gloo processes on loopback, one torch thread each, a Qwen2-shaped fp32 parameter set (fused qkv / gate_up).
 For every case: bytes moved over the lower bound (the planner's target is exactly 1.00); the median time of the
-planned reshard; the naive path (all_gather every parameter's local shards onto every rank, then slice) in time
+planned reshard into preallocated tensors (as an engine's own weights are filled), through shared memory (these 4
+processes share a host: the default) and over gloo p2p alone (`p2p`, the path between hosts); the naive path (all_gather every parameter's local shards onto every rank, then slice) in time
 and bytes; and a disk round trip (rank 0 saves the full model with safetensors, every rank loads it and slices;
 the full model is assumed already on rank 0, and the page cache is warm, both in the disk path's favour), and the
 round trip the issue names, `save_pretrained` on rank 0 then `from_pretrained` on every rank (`hf/time`).
-Times are the slowest rank's, median of --repeats after one warm-up. Every result is checked bit for bit.
+Times are the slowest rank's, median of --repeats after one warm-up (the hf round trip's too). Every result is checked bit for bit.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from tandem.sync.layout import (Mesh, ModelLayout, Qwen2Shape, Spec, build_layout, local_tensor,  # noqa: E402
                                 numel, replicated_layout, slices)
-from tandem.sync.planner import plan  # noqa: E402
+from tandem.sync.planner import assign_ranks, plan, renumber  # noqa: E402
 from tandem.sync.reshard import reshard  # noqa: E402
 
 WORLD = 4
@@ -40,15 +41,15 @@ WORLD = 4
 def cases(dense: Qwen2Shape, moe: Qwen2Shape) -> dict[str, tuple[ModelLayout, ModelLayout]]:
     p, pm = dense.params(), moe.params()
     dp2tp2 = Mesh.of(dp=2, tp=2)
+    tp4, to = build_layout(p, Mesh.of(tp=4), dense.spec()), build_layout(p, dp2tp2, dense.spec())
     return {
-        "dp1tp2pp2 -> dp2tp2": (build_layout(p, Mesh.of(pp=2, tp=2), dense.spec(pp=2)), build_layout(p, dp2tp2, dense.spec())),
-        "dp1tp4 -> dp2tp2": (build_layout(p, Mesh.of(tp=4), dense.spec()), build_layout(p, dp2tp2, dense.spec())),
-        # the same, with destination ranks numbered dp fastest: rank r's quarter lies inside its new half
-        "dp1tp4 -> dp2tp2 (dp-fastest ranks)": (build_layout(p, Mesh.of(tp=4), dense.spec()),
-                                                build_layout(p, Mesh.of(dp=2, tp=2, order=("pp", "cp", "ep", "tp", "dp")), dense.spec())),
-        "dp1tp2cp2 -> dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), dense.spec()), build_layout(p, dp2tp2, dense.spec())),
+        "dp1tp2pp2 -> dp2tp2": (build_layout(p, Mesh.of(pp=2, tp=2), dense.spec(pp=2)), to),
+        "dp1tp4 -> dp2tp2": (tp4, to),  # destination numbered TP-fastest, as given
+        # the same, destination ranks numbered by the planner (assign_ranks): each rank's quarter lies in its new half
+        "dp1tp4 -> dp2tp2 (ranks assigned)": (tp4, renumber(to, assign_ranks(tp4, to))),
+        "dp1tp2cp2 -> dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), dense.spec()), to),
         "dp1tp2ep2 -> dp2tp2 (MoE)": (build_layout(pm, Mesh.of(ep=2, tp=2), moe.spec(ep=2)), build_layout(pm, dp2tp2, moe.spec())),
-        "fsdp4 -> tp2dp2": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), build_layout(p, dp2tp2, dense.spec())),
+        "fsdp4 -> tp2dp2": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), to),
         "fsdp4 -> 4 replicas (colocated)": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), replicated_layout(p, range(4))),
         "fsdp ranks 0,1 -> replicas 2,3": (build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")), replicated_layout(p, [2, 3])),
     }
@@ -128,7 +129,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
                        intermediate=args.intermediate)
     moe = Qwen2Shape(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4,
                      intermediate=args.intermediate // 4, experts=4)
-    t_hf, _ = timed(lambda: hf_round_trip(rank, dense, folder), 2)
+    t_hf, _ = timed(lambda: hf_round_trip(rank, dense, folder), args.repeats)
     rows = []
     for name, (src, dst) in cases(dense, moe).items():
         g = torch.Generator().manual_seed(0)
@@ -138,29 +139,35 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
         start = time.perf_counter()
         p = plan(src, dst)
         plan_s = time.perf_counter() - start
-        t_plan, got = timed(lambda: reshard(p, rank, mine, bucket_bytes=args.bucket_mb << 20), args.repeats)
+        # into preallocated tensors (`out=`), as a rollout engine's own weights are filled
+        out = {n: torch.empty(shape) for n, shape in p.dst_shapes.get(rank, {}).items()}
+        t_plan, got = timed(lambda: reshard(p, rank, mine, bucket_bytes=args.bucket_mb << 20, out=out), args.repeats)
+        got = {n: t.clone() for n, t in got.items()}
+        t_p2p, got_p2p = timed(lambda: reshard(p, rank, mine, bucket_bytes=args.bucket_mb << 20, out=out,
+                                               shared_memory=False), args.repeats)
         t_naive, (got_naive, naive_bytes) = timed(lambda: naive(rank, src, dst, mine), args.repeats)
         t_disk, got_disk = timed(lambda: disk(rank, dst, full, folder), args.repeats)
-        ok = all(torch.equal(r[n], w) for r in (got, got_naive, got_disk) for n, w in want.items())
+        ok = all(torch.equal(r[n], w) for r in (got, got_p2p, got_naive, got_disk) for n, w in want.items())
         flag = torch.tensor([int(ok)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         model_mb = sum(t.numel() * t.element_size() for t in full.values()) / 2**20
-        rows.append((name, model_mb, p.bytes_moved, p.lower_bound, plan_s, t_plan, t_naive, naive_bytes, t_disk, bool(flag)))
+        rows.append((name, model_mb, p.bytes_moved, p.lower_bound, plan_s, t_plan, t_p2p, t_naive, naive_bytes, t_disk,
+                     bool(flag)))
     if rank == 0:
         print(f"\nresharding: {WORLD} gloo processes on loopback, torch threads={args.threads} each, fp32, "
               f"bucket {args.bucket_mb} MiB, median of {args.repeats} (slowest rank)")
-        head = (f"{'case':<38} {'model':>6} {'moved':>7} {'moved/':>7} {'plan':>6} {'reshard':>8} {'naive':>8} "
-                f"{'naive/':>7} {'naive/':>7} {'disk':>8} {'disk/':>7} {'hf/':>7} {'exact':>5}")
-        sub = (f"{'':<38} {'MiB':>6} {'MiB':>7} {'lower':>7} {'ms':>6} {'ms':>8} {'ms':>8} "
+        head = (f"{'case':<38} {'model':>6} {'moved':>7} {'moved/':>7} {'plan':>6} {'reshard':>8} {'p2p':>7} "
+                f"{'naive':>8} {'naive/':>7} {'naive/':>7} {'disk':>8} {'disk/':>7} {'hf/':>7} {'exact':>5}")
+        sub = (f"{'':<38} {'MiB':>6} {'MiB':>7} {'lower':>7} {'ms':>6} {'ms':>8} {'ms':>7} {'ms':>8} "
                f"{'time':>7} {'bytes':>7} {'ms':>8} {'time':>7} {'time':>7} {'':>5}")
         print(head)
         print(sub)
         print("-" * len(head))
-        for name, mb, moved, lower, plan_s, tp, tn, nb, td, ok in rows:
+        for name, mb, moved, lower, plan_s, tp, t2, tn, nb, td, ok in rows:
             ratio = moved / lower if lower else 1.0  # nothing to move and nothing moved: exact
             less = f"{nb / moved:>6.1f}x" if moved else f"{'all':>7}"  # "all": the plan moves nothing at all
             print(f"{name:<38} {mb:>6.1f} {moved / 2**20:>7.1f} {ratio:>7.2f} {plan_s * 1e3:>6.1f} {tp * 1e3:>8.1f} "
-                  f"{tn * 1e3:>8.1f} {tn / tp:>6.1f}x {less} {td * 1e3:>8.1f} {td / tp:>6.1f}x {t_hf / tp:>6.1f}x "
+                  f"{t2 * 1e3:>7.1f} {tn * 1e3:>8.1f} {tn / tp:>6.1f}x {less} {td * 1e3:>8.1f} {td / tp:>6.1f}x {t_hf / tp:>6.1f}x "
                   f"{'yes' if ok else 'NO':>5}")
         print(f"hf: save_pretrained on rank 0 + from_pretrained on every rank (the issue's disk round trip) took "
               f"{t_hf * 1e3:.0f} ms; disk: raw safetensors save + load + slice, warm page cache (the harder baseline)")

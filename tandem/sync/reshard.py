@@ -1,8 +1,12 @@
-"""The resharding executor: runs a Plan with torch.distributed point-to-point sends in bounded buckets, copying
-local bytes in place, returning (or streaming, bucket by bucket) this rank's destination tensors."""
+"""The resharding executor: runs a Plan with torch.distributed point-to-point sends in bounded buckets (or through
+shared memory between processes of one host), copying local bytes in place, returning (or streaming, bucket by
+bucket) this rank's destination tensors."""
 from __future__ import annotations
 
+import os
+import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import torch
@@ -13,6 +17,10 @@ from tandem.sync.planner import Move, Plan
 
 ALIGN = 16  # staging offsets are multiples of this, so every dtype can be viewed in place (Tensor.view(dtype))
 DEFAULT_BUCKET = 64 << 20
+SHM_DIR = "/dev/shm"
+# p2p tags of the shared-memory handshake and of each round's "written" / "read" notes; data tags count from 0
+_TAG_NAME, _TAG_MAPPED, _TAG_WRITTEN, _TAG_READ = (1 << 24) + 0, (1 << 24) + 1, (1 << 24) + 2, (1 << 24) + 3
+_NAME_BYTES = 256
 
 
 def _aligned(n: int) -> int:
@@ -62,6 +70,80 @@ def rounds(plan: Plan, bucket_bytes: int) -> list[list[Move]]:
     return out
 
 
+@dataclass
+class _Shared:
+    """Shared-memory segments of one rank for one plan: its own (what it sends is written there) and its peers'
+    (mapped, read in place), and the (src, dst) pairs that use them; every other remote pair uses p2p."""
+    mine: torch.Tensor | None
+    peers: dict[int, torch.Tensor]
+    pairs: set[tuple[int, int]]
+
+
+def _p2p(ops: list) -> None:
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+def _share(all_rounds: list[list[Move]], rank: int, group, global_rank, device: torch.device) -> _Shared:
+    """Set up shared memory with the peers of this rank that can map it (same host, CPU tensors on both sides).
+
+    Each sender creates one segment in /dev/shm as large as its largest round's outgoing bytes and tells its
+    receivers its name; each receiver maps it if it can and says so; then the sender unlinks the file (the
+    mappings live on, nothing is left behind). A pair either side of which cannot share (another host, a GPU, a
+    small /dev/shm) stays on p2p, so mixed placements work.
+    """
+    remote = [m for r in all_rounds for m in r if m.src != m.dst]
+    out_peers = sorted({m.dst for m in remote if m.src == rank})
+    in_peers = sorted({m.src for m in remote if m.dst == rank})
+    need = max((_offsets(r)[1].get(rank, 0) for r in all_rounds), default=0)
+    path, mine = None, None
+    if need and device.type == "cpu" and os.path.isdir(SHM_DIR):
+        st = os.statvfs(SHM_DIR)
+        if st.f_bavail * st.f_frsize > 2 * need:  # a full tmpfs would kill the writer with SIGBUS: keep a margin
+            path = os.path.join(SHM_DIR, f"tandem-reshard-{uuid.uuid4().hex}")
+            mine = torch.from_file(path, shared=True, size=need, dtype=torch.uint8)
+    note = f"{path}|{need}".encode() if path else b""
+    names = {s: torch.zeros(_NAME_BYTES, dtype=torch.uint8) for s in in_peers}
+    _p2p([dist.P2POp(dist.isend, torch.tensor(list(note.ljust(_NAME_BYTES, b"\0")), dtype=torch.uint8),
+                     global_rank(d), group, _TAG_NAME) for d in out_peers]
+         + [dist.P2POp(dist.irecv, names[s], global_rank(s), group, _TAG_NAME) for s in in_peers])
+    peers = {}
+    for s, buf in names.items():
+        text = bytes(buf.tolist()).rstrip(b"\0").decode()
+        if text and device.type == "cpu":
+            name, size = text.rsplit("|", 1)
+            try:
+                peers[s] = torch.from_file(name, shared=True, size=int(size), dtype=torch.uint8)
+            except (OSError, RuntimeError):  # not on this host (or not visible from this container)
+                pass
+    mapped = {d: torch.zeros(1, dtype=torch.uint8) for d in out_peers}
+    _p2p([dist.P2POp(dist.isend, torch.tensor([int(s in peers)], dtype=torch.uint8), global_rank(s), group,
+                     _TAG_MAPPED) for s in in_peers]
+         + [dist.P2POp(dist.irecv, mapped[d], global_rank(d), group, _TAG_MAPPED) for d in out_peers])
+    if path:
+        os.unlink(path)
+    pairs = {(rank, d) for d in out_peers if int(mapped[d])} | {(s, rank) for s in peers}
+    return _Shared(mine if any(p[0] == rank for p in pairs) else None, peers, pairs)
+
+
+def _offsets(moves: list[Move]) -> tuple[dict[int, int], dict[int, int]]:
+    """Where each remote move of a round sits in its sender's segment (by position in `moves`), and each sender's
+    bytes used. A slice going to several ranks (replicas) is written once and read by all. Every remote move
+    counts, whatever its transport, so each side computes the same offsets from the plan alone."""
+    used: dict[int, int] = defaultdict(int)
+    at: dict[tuple, int] = {}
+    out = {}
+    for i, m in enumerate(moves):
+        if m.src != m.dst:
+            key = (m.src, m.name, m.box)
+            if key not in at:
+                at[key] = used[m.src]
+                used[m.src] += _aligned(m.nbytes)
+            out[i] = at[key]
+    return out, used
+
+
 def _view(piece_tensor_view: torch.Tensor, piece_box: Box, box: Box) -> torch.Tensor:
     return piece_tensor_view[slices(shift(box, [a for a, _ in piece_box]))]
 
@@ -79,7 +161,7 @@ def _to_local(t: torch.Tensor) -> torch.Tensor:
 def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.Tensor],
                  group: dist.ProcessGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET,
                  out: Mapping[str, torch.Tensor] | None = None, device: torch.device | str | None = None,
-                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                 shared_memory: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Run `plan` on this rank (`rank` in `group`; None: ask the group), yielding lists of (name, tensor) as this
     rank's destination tensors complete, in plan order. Every rank of the plan must drive its iterator to the end.
     Extra memory per rank: one send plus one receive staging buffer, together at most `bucket_bytes`.
@@ -88,7 +170,10 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
     out: preallocated destination tensors to fill in place (others are allocated when their first bytes land).
     device: where new destination tensors and staging live (default: the device of the source tensors, else CPU;
     a rank that only receives, e.g. a sampler on a GPU, names it). ranks are ranks in `group`; without a process
-    group the plan must have no remote moves (one process)."""
+    group the plan must have no remote moves (one process).
+    shared_memory: pairs of processes on one host with CPU tensors exchange through a shared-memory segment
+    (the sender writes each slice once, the receiver copies it out; a p2p note says when) instead of gloo's TCP
+    loopback; False keeps every pair on p2p. Set up on the first call with a plan, then reused."""
     if rank is None:
         rank = dist.get_rank(group)
     # detach: parameters may require grad; the copies here are not part of any graph (out= still aliases them)
@@ -125,16 +210,39 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
 
     if bucket_bytes not in plan.cache:  # a plan is reused every step: cut it into rounds once
         plan.cache[bucket_bytes] = rounds(plan, bucket_bytes)
+    all_rounds = plan.cache[bucket_bytes]
+    key = ("shared", bucket_bytes, rank)
+    if shared_memory and key not in plan.cache:
+        plan.cache[key] = _share(all_rounds, rank, group, global_rank, torch.device(device))
+    shared = plan.cache[key] if shared_memory else _Shared(None, {}, set())
     # reused by every round: faulting in fresh pages costs about as much as the copy itself
     stage = torch.empty(0, dtype=torch.uint8, device=device)
-    for moves in plan.cache[bucket_bytes]:
-        # One message per move, tagged by its place among this pair's messages in the round (both sides count the
-        # same way). A contiguous source view is sent as is and a contiguous destination view of the same dtype
+    for moves in all_rounds:
+        # p2p: one message per move, tagged by its place among this pair's messages in the round (both sides count
+        # the same way). A contiguous source view is sent as is and a contiguous destination view of the same dtype
         # receives in place; only the rest go through the staging buffer, packed before and unpacked after.
+        # Shared memory: the sender writes its slices into its segment and sends a "written" note; the receiver
+        # copies them out and answers "read", after which the sender may reuse the segment.
         ours: list[tuple[Move, int, torch.Tensor, bool]] = []  # (move, tag, this side's view, sent/received as is)
         count: dict[tuple[int, int], int] = defaultdict(int)
-        for m in moves:
+        offsets = _offsets(moves)[0] if shared.pairs else {}
+        written: set[int] = set()  # offsets this rank has filled this round (a replicated slice is written once)
+        reads: list[tuple[Move, int, torch.Tensor]] = []
+        notes_out, notes_in = set(), set()  # peers this rank wrote for / reads from, this round
+        for i, m in enumerate(moves):
             if m.src == m.dst or rank not in (m.src, m.dst):
+                continue
+            if (m.src, m.dst) in shared.pairs:
+                if m.src == rank:
+                    if offsets[i] not in written:
+                        dtype = plan.params[m.name][1]
+                        seg = shared.mine[offsets[i]:offsets[i] + m.nbytes].view(dtype).view(extents(m.box))
+                        seg.copy_(_src_view(m, src_tensors))
+                        written.add(offsets[i])
+                    notes_out.add(m.dst)
+                else:
+                    reads.append((m, offsets[i], _view(m.dst_piece.view(dest(m.name)), m.dst_piece.box, m.box)))
+                    notes_in.add(m.src)
                 continue
             tag = count[(m.src, m.dst)]
             count[(m.src, m.dst)] += 1
@@ -162,17 +270,26 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
                     unpack.append((view, typed))
             op, peer = (dist.isend, m.dst) if m.src == rank else (dist.irecv, m.src)
             ops.append(dist.P2POp(op, payload, global_rank(peer), group, tag))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+        note = torch.zeros(1, dtype=torch.uint8)
+        ops += [dist.P2POp(dist.isend, note, global_rank(d), group, _TAG_WRITTEN) for d in sorted(notes_out)]
+        ops += [dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8), global_rank(s), group, _TAG_WRITTEN)
+                for s in sorted(notes_in)]
+        pending = dist.batch_isend_irecv(ops) if ops else []
+        for m in moves:  # local copies, while the peers' bytes are on their way
+            if m.src == m.dst == rank:
+                _view(m.dst_piece.view(dest(m.name)), m.dst_piece.box, m.box).copy_(_src_view(m, src_tensors))
+        for req in pending:
+            req.wait()
         for view, typed in unpack:
             view.copy_(typed)
-        for m in moves:  # local copies, and counting what landed
-            if m.dst != rank:
-                continue
-            if m.src == rank:
-                _view(m.dst_piece.view(dest(m.name)), m.dst_piece.box, m.box).copy_(_src_view(m, src_tensors))
-            landed(m.name, numel(m.box))
+        for m, off, view in reads:
+            view.copy_(shared.peers[m.src][off:off + m.nbytes].view(plan.params[m.name][1]).view(extents(m.box)))
+        _p2p([dist.P2POp(dist.isend, note, global_rank(s), group, _TAG_READ) for s in sorted(notes_in)]
+             + [dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8), global_rank(d), group, _TAG_READ)
+                for d in sorted(notes_out)])
+        for m in moves:  # count what landed
+            if m.dst == rank:
+                landed(m.name, numel(m.box))
         if done:
             yield done
             done = []
@@ -183,9 +300,9 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
 def reshard(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.Tensor],
             group: dist.ProcessGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET,
             out: Mapping[str, torch.Tensor] | None = None, device: torch.device | str | None = None,
-            ) -> dict[str, torch.Tensor]:
+            shared_memory: bool = True) -> dict[str, torch.Tensor]:
     """Run `plan` and return this rank's destination tensors (name -> tensor); see reshard_iter."""
     result: dict[str, torch.Tensor] = {}
-    for batch in reshard_iter(plan, rank, src_tensors, group, bucket_bytes, out, device):
+    for batch in reshard_iter(plan, rank, src_tensors, group, bucket_bytes, out, device, shared_memory):
         result.update(batch)
     return result

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tandem.sync.layout import (Mesh, ModelLayout, Qwen2Shape, Spec, build_layout, layout_from_dtensors, local_tensor,
                                 replicated_layout)
-from tandem.sync.planner import plan
+from tandem.sync.planner import assign_ranks, plan, renumber
 from tandem.sync.reshard import reshard, reshard_iter
 
 DENSE = Qwen2Shape(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48)
@@ -37,15 +37,28 @@ def layout_cases() -> dict[str, tuple[ModelLayout, ModelLayout, dict]]:
         "dp1tp4_to_dp2tp2": (build_layout(p4, Mesh.of(tp=4), DENSE_TP4.spec()), build_layout(p4, dp2tp2, DENSE_TP4.spec()), {}),
         "dp1tp2cp2_to_dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), DENSE.spec()), build_layout(p, dp2tp2, DENSE.spec()), {}),
         "dp1tp2ep2_to_dp2tp2": (build_layout(pm, Mesh.of(ep=2, tp=2), MOE.spec(ep=2)), build_layout(pm, dp2tp2, MOE.spec()), {}),
+        "dp1tp4_to_dp2tp2_ranks_assigned": (build_layout(p4, Mesh.of(tp=4), DENSE_TP4.spec()),
+                                            _assigned(build_layout(p4, Mesh.of(tp=4), DENSE_TP4.spec()),
+                                                      build_layout(p4, dp2tp2, DENSE_TP4.spec())), {}),
         "fsdp4_to_tp2dp2": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), build_layout(p, dp2tp2, DENSE.spec()), {}),
         "fsdp_ranks01_to_replicas_ranks23": (build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")), replicated_layout(p, [2, 3]), {}),
         # ZeRO flat shards of a bf16 model into replicas, streamed through a bucket far smaller than one tensor
         "flat_zero4_bf16_to_replicas_streamed": (build_layout(DENSE.params(torch.bfloat16), Mesh.of(dp=4), Spec(zero="flat")),
                                                  replicated_layout(DENSE.params(torch.bfloat16), range(4)),
                                                  {"bucket_bytes": 1024, "stream": True}),
+        # the same layouts over gloo p2p only (another host, or a GPU, takes this path)
+        "dp1tp2pp2_to_dp2tp2_p2p": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)), build_layout(p, dp2tp2, DENSE.spec()),
+                                    {"shared_memory": False}),
+        "flat_zero4_bf16_to_replicas_streamed_p2p": (build_layout(DENSE.params(torch.bfloat16), Mesh.of(dp=4), Spec(zero="flat")),
+                                                     replicated_layout(DENSE.params(torch.bfloat16), range(4)),
+                                                     {"bucket_bytes": 1024, "stream": True, "shared_memory": False}),
         "tp2pp2_to_replicas_into_out": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)), replicated_layout(p, range(4)), {"out": True}),
     }
     return cases
+
+
+def _assigned(src: ModelLayout, dst: ModelLayout) -> ModelLayout:
+    return renumber(dst, assign_ranks(src, dst))
 
 
 def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -> str:
@@ -55,6 +68,7 @@ def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -
     if p.bytes_moved != p.lower_bound:
         return f"moved {p.bytes_moved} != lower bound {p.lower_bound}"
     kwargs = {"bucket_bytes": opts["bucket_bytes"]} if "bucket_bytes" in opts else {}
+    kwargs["shared_memory"] = opts.get("shared_memory", True)
     out = None
     if opts.get("out"):
         out = {n: torch.zeros(s, dtype=dst[n].dtype) for n, s in p.dst_shapes.get(rank, {}).items()}
@@ -71,6 +85,12 @@ def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -
     else:
         got = reshard(p, rank, mine, out=out, **kwargs)
     want = {n: local_tensor(pl, rank, full[n]) for n, pl in dst.items() if rank in pl.shards}
+    mine_remote = {(m.src, m.dst) for m in p.moves if m.src != m.dst and rank in (m.src, m.dst)}
+    shared = p.cache.get(("shared", kwargs.get("bucket_bytes", 64 << 20), rank))
+    if kwargs["shared_memory"] and (shared is None or shared.pairs != mine_remote):
+        return f"shared memory not used by every remote pair of this rank: {shared and shared.pairs} vs {mine_remote}"
+    if not kwargs["shared_memory"] and shared is not None:
+        return "shared memory set up although turned off"
     if set(got) != set(want):
         return f"tensors {sorted(set(got) ^ set(want))} missing or extra"
     bad = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
