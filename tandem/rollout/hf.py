@@ -168,6 +168,12 @@ class HFEngine:
         self.last_sync_seconds = time.perf_counter() - start
         self.last_sync_bytes = nbytes
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The engine's parameters by HF name, for a sender that writes new weights into them in place (a later
+        `load_weights` of the same tensors then only checks them)."""
+        self._check_awake("weights")
+        return dict(self._params)
+
     def sleep(self) -> int:
         """Free the weights' storage (level 2: contents discarded; the next weight sync rewrites every parameter).
 

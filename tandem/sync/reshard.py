@@ -90,8 +90,8 @@ def _share(all_rounds: list[list[Move]], rank: int, group, global_rank, device: 
 
     Each sender creates one segment in /dev/shm as large as its largest round's outgoing bytes and tells its
     receivers its name; each receiver maps it if it can and says so; then the sender unlinks the file (the
-    mappings live on, nothing is left behind). A pair either side of which cannot share (another host, a GPU, a
-    small /dev/shm) stays on p2p, so mixed placements work.
+    mappings live on, nothing is left behind). A pair either side of which cannot share (another host, another
+    container, a small /dev/shm) stays on p2p, so mixed placements work.
     """
     remote = [m for r in all_rounds for m in r if m.src != m.dst]
     out_peers = sorted({m.dst for m in remote if m.src == rank})
@@ -111,7 +111,7 @@ def _share(all_rounds: list[list[Move]], rank: int, group, global_rank, device: 
     peers = {}
     for s, buf in names.items():
         text = bytes(buf.tolist()).rstrip(b"\0").decode()
-        if text and device.type == "cpu":
+        if text:
             name, size = text.rsplit("|", 1)
             try:
                 peers[s] = torch.from_file(name, shared=True, size=int(size), dtype=torch.uint8)
@@ -173,7 +173,8 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
     group the plan must have no remote moves (one process).
     shared_memory: pairs of processes on one host with CPU tensors exchange through a shared-memory segment
     (the sender writes each slice once, the receiver copies it out; a p2p note says when) instead of gloo's TCP
-    loopback; False keeps every pair on p2p. Set up on the first call with a plan, then reused."""
+    loopback; False keeps every pair on p2p. Set up on the first call with a plan, then reused; every rank of the
+    plan must pass the same value (the setup is a handshake)."""
     if rank is None:
         rank = dist.get_rank(group)
     # detach: parameters may require grad; the copies here are not part of any graph (out= still aliases them)
@@ -211,6 +212,8 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
     if bucket_bytes not in plan.cache:  # a plan is reused every step: cut it into rounds once
         plan.cache[bucket_bytes] = rounds(plan, bucket_bytes)
     all_rounds = plan.cache[bucket_bytes]
+    # CPU tensors only (gloo): an accelerator's group (NCCL) cannot carry the handshake's host tensors
+    shared_memory = shared_memory and torch.device(device).type == "cpu"
     key = ("shared", bucket_bytes, rank)
     if shared_memory and key not in plan.cache:
         plan.cache[key] = _share(all_rounds, rank, group, global_rank, torch.device(device))

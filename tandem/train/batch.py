@@ -21,18 +21,17 @@ class SharedPrompts:
     """A micro-batch's distinct prompts, to be run once each: every row's completion then attends to its prompt's
     keys and values instead of recomputing them (GRPO samples `group_size` completions of each prompt).
 
-    The completion side is the micro-batch's `targets` [b, T] (right-aligned, pads masked out), so the first
-    completion token of a row sits in column T - n; its logit comes from the prompt's last position and every later
-    one from the completion column before it.
+    The prompts run without their last token; each row then feeds its prompt's last token and its completion but
+    the last token, right-aligned like `targets` [b, T], so the logits of column t predict `targets[:, t]`.
     """
 
-    ids: torch.Tensor  # [u, P] the distinct prompts, left-padded
+    ids: torch.Tensor  # [u, P] the distinct prompts but their last token, left-padded
     attention_mask: torch.Tensor  # [u, P]
     position_ids: torch.Tensor  # [u, P]
     of_row: torch.Tensor  # [b] which prompt each row continues
-    completion_attention: torch.Tensor  # [b, T] 1 on completion tokens (the loss mask may drop some; this does not)
-    completion_positions: torch.Tensor  # [b, T] position of each completion token after its prompt
-    first: torch.Tensor  # [b, T] True at each row's first completion token
+    inputs: torch.Tensor  # [b, T] the prompt's last token, then the completion but its last token, right-aligned
+    inputs_mask: torch.Tensor  # [b, T] 1 on those tokens (the loss mask may drop some; this does not)
+    inputs_positions: torch.Tensor  # [b, T]
 
 
 @dataclass
@@ -104,22 +103,21 @@ def _left_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[torch.Ten
 
 
 def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad_id: int) -> SharedPrompts | None:
-    """The prompt-once layout of these rows, or None when no prompt repeats (nothing to save) or nothing is generated."""
+    """The prompt-once layout of these rows; None when no prompt repeats (nothing to save), nothing is generated,
+    or a prompt is a single token (nothing would be left to run once)."""
     index: dict[tuple[int, ...], int] = {}
     of_row = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    if len(index) == len(prompts) or T == 0:
+    if len(index) == len(prompts) or T == 0 or min(map(len, prompts)) < 2:
         return None
-    distinct = [list(p) for p in index]
-    ids, attn = _left_pad(distinct, max(map(len, distinct)), pad_id)
-    n = torch.tensor([len(c) for c in outs])
-    col = torch.arange(T)
-    start = T - n  # first completion column of each row
+    heads = [list(p[:-1]) for p in index]
+    ids, attn = _left_pad(heads, max(map(len, heads)), pad_id)
+    inputs, mask = _left_pad([p[-1:] + c[:-1] if c else [] for p, c in zip(prompts, outs)], T, pad_id)
+    start = T - torch.tensor([len(c) for c in outs])  # each row's first completion column
     plen = torch.tensor([len(p) for p in prompts])
     return SharedPrompts(
         ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), of_row=torch.tensor(of_row),
-        completion_attention=(col >= start[:, None]).long(),
-        completion_positions=(plen[:, None] + col - start[:, None]).clamp(min=0),
-        first=col == start[:, None],
+        inputs=inputs, inputs_mask=mask,
+        inputs_positions=(plen[:, None] - 1 + torch.arange(T) - start[:, None]).clamp(min=0),
     )
 
 

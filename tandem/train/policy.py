@@ -72,21 +72,31 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     return logp, entropy
 
 
+def shares_prompts(model) -> bool:
+    """Architectures whose prompt-once logprobs are tested equal to the full forward's: Llama-family models with
+    full attention everywhere (a sliding-window cache would crop the prompt's keys)."""
+    cfg = model.config
+    if cfg.model_type not in ("qwen2", "llama"):
+        return False
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return False
+    return getattr(cfg, "sliding_window", None) is None or not getattr(cfg, "use_sliding_window", True)
+
+
 def _shared_prompt_logits(model, mb: MicroBatch) -> torch.Tensor:
-    """Logits [b, T, V] predicting each completion token: distinct prompts first (their cache, selected per row, is
-    differentiable, so gradients from every completion add up in the prompt's activations), then the completions."""
+    """Logits [b, T, V] predicting each completion token: the distinct prompts first (their cache, selected per row,
+    is differentiable, so the gradients of all a prompt's completions add up in its activations), then each row's
+    prompt-last token and completion on top."""
     from transformers import DynamicCache
 
     sp = mb.shared
     cache = DynamicCache(config=model.config)
-    head = model(input_ids=sp.ids, attention_mask=sp.attention_mask, position_ids=sp.position_ids,
-                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [u, 1, V]: the first token's
+    model(input_ids=sp.ids, attention_mask=sp.attention_mask, position_ids=sp.position_ids, past_key_values=cache,
+          use_cache=True, logits_to_keep=1)
     cache.batch_select_indices(sp.of_row)
-    attention = torch.cat([sp.attention_mask[sp.of_row], sp.completion_attention], dim=1)
-    rest = model(input_ids=mb.targets, attention_mask=attention, position_ids=sp.completion_positions,
-                 past_key_values=cache, use_cache=True).logits  # [b, T, V]: column t predicts column t + 1
-    shifted = torch.cat([rest[:, :1], rest[:, :-1]], dim=1)
-    return torch.where(sp.first.unsqueeze(-1), head[sp.of_row], shifted)
+    attention = torch.cat([sp.attention_mask[sp.of_row], sp.inputs_mask], dim=1)
+    return model(input_ids=sp.inputs, attention_mask=attention, position_ids=sp.inputs_positions,
+                 past_key_values=cache, use_cache=True).logits
 
 
 class Policy:
@@ -114,11 +124,12 @@ class Policy:
         self.max_new_tokens = max_new_tokens
         self.stale_samples = stale_samples
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
-        self.share_prompts = self.mesh is None  # see token_logprobs: FSDP's hooks want one forward per backward
         self.model = load_causal_lm(model_path, dtype, trust_remote_code)
         if device is not None:
             self.model.to(device)
         self.model.train()
+        # see token_logprobs: FSDP's hooks want one forward per backward
+        self.share_prompts = self.mesh is None and shares_prompts(self.model)
         parallelize(self.model, self.mesh, mixed_precision)
         self.ref = None
         if algo.kl_coef > 0:  # the reference costs a model's memory and a forward per step: only when used

@@ -87,8 +87,10 @@ class HybridWorker(TrainWorker):
         start = time.perf_counter()
         if self._group_plan is None:  # the layouts never change during a run: plan once (every rank alike)
             self._group_plan = plan_to_replicas(self.weight_layout(), self.ctx.group_ranks[self.ctx.name])
+        # straight into the engine's own weights where it allows that (hf); else through its load_weights
+        inplace = self.engine.weights() if hasattr(self.engine, "weights") else None
         for bucket in reshard_iter(self._group_plan, self.ctx.global_rank, self.local_weights(),
-                                   bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20):
+                                   bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, out=inplace):
             self.engine.load_weights(bucket)
         return {"seconds": time.perf_counter() - start, "bytes": self._group_plan.bytes_moved}
 

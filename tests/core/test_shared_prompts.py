@@ -24,7 +24,7 @@ def _model(kind: str):
 def _completions() -> list[Completion]:
     """Three prompts of different lengths, groups of 3 with uneven completions, one of them empty."""
     g = torch.Generator().manual_seed(1)
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
     lengths = [[4, 1, 3], [2, 0, 5], [5, 5, 1]]
     comps = []
     for i, (p, ns) in enumerate(zip(prompts, lengths)):
@@ -63,3 +63,18 @@ def test_no_repeated_prompt_means_no_shared_layout():
     comps.append(Completion([5, 6], [9], [0.0], "", "stop", 0))
     (mb,) = make_micro_batches(comps, torch.zeros(5), 4096, pad_id=0)
     assert mb.shared is not None and mb.shared.of_row.tolist() == [0, 1, 2, 3, 0]
+    # a one-token prompt leaves nothing to run once: the plain layout
+    comps += [Completion([7], [8], [0.0], "", "stop", 5), Completion([7], [9], [0.0], "", "stop", 5)]
+    (mb,) = make_micro_batches(comps, torch.zeros(7), 4096, pad_id=0)
+    assert mb.shared is None
+
+
+def test_only_tested_architectures_share_prompts():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tandem.train.policy import shares_prompts
+
+    assert shares_prompts(_model("qwen2")) and shares_prompts(_model("llama"))
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               num_key_value_heads=2, intermediate_size=64, sliding_window=8))
+    assert not shares_prompts(mistral)

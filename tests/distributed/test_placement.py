@@ -25,6 +25,7 @@ from tandem.config import load_config  # noqa: E402
 from tandem.rollout import Completion  # noqa: E402
 from tandem.trainer import train  # noqa: E402
 from tandem.workers.group import WorkerError  # noqa: E402
+from tandem.workers.hybrid import HybridWorker  # noqa: E402
 from tandem.workers.ray_group import ray_session, start_group  # noqa: E402
 from tandem.workers.train import TrainWorker  # noqa: E402
 
@@ -98,6 +99,34 @@ def test_fsdp_and_fsdp_tp_trainers_match_one_process(session, tiny_model, tmp_pa
         assert weights.keys() == ref_weights.keys()
         for name, w in ref_weights.items():
             torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=2e-6, msg=f"{workers}x{tp}: {name}")
+
+
+class _HybridProbe(HybridWorker):
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return self.policy.full_state_dict()
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.engine.weights().items()}
+
+
+def test_colocated_sync_fills_every_engine_with_the_full_policy(session, tiny_model, tmp_path):
+    """After FSDP updates on 2 colocated workers, the planned in-group reshard writes each worker's engine weights
+    in place (shared memory between the two actors) and they equal the gathered policy, bit for bit."""
+    cfg = small_config(tiny_model, tmp_path / "w2", "placement.workers=2")
+    group = start_group("hybrid", functools.partial(_HybridProbe, cfg), 2, **BOUNDED)
+    try:
+        _, full = train_steps(lambda m, *a: group.call(m, *a)[0], steps=2)
+        before = group.call("engine_weights")
+        stats = group.call("sync_weights", 2)
+        engines = group.call("engine_weights")
+    finally:
+        group.shutdown()
+    assert all(s["bytes"] > 0 for s in stats)
+    for rank, weights in enumerate(engines):
+        assert weights.keys() <= full.keys() and len(weights) > 0
+        for name, w in weights.items():
+            assert torch.equal(w, full[name]), (rank, name)
+        assert all(not torch.equal(before[rank][n], w) for n, w in weights.items())  # every tensor was rewritten
 
 
 def _actor_pids() -> list[int]:
