@@ -57,26 +57,34 @@ class MicroBatch:
         return int(self.mask.sum())
 
 
-def pack(lengths: list[int], budget: int) -> list[list[int]]:
+def pack(lengths: list[int], budget: int, groups: list[int] | None = None) -> list[list[int]]:
     """Group indices into micro-batches whose padded size (rows x longest) stays within `budget` tokens.
 
-    Sorting by length first keeps padding small; each group is returned in ascending index order so results
-    do not depend on how ties were broken.
+    Sorting by length first keeps padding small. With `groups` (each index's prompt group, all of whose rows share
+    a prompt) the rows of a group are kept next to each other instead, so a micro-batch holds whole groups where the
+    budget allows and runs each prompt once (`SharedPrompts`). Each micro-batch is returned in ascending index order
+    so results do not depend on how ties were broken.
     """
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    groups: list[list[int]] = []
+    if groups is None:
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    else:
+        first = {}
+        for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+            first.setdefault(groups[i], len(first))  # groups in the order of their shortest row
+        order = sorted(range(len(lengths)), key=lambda i: (first[groups[i]], lengths[i], i))
+    out: list[list[int]] = []
     current: list[int] = []
     longest = 0
     for i in order:
         new_longest = max(longest, lengths[i])
         if current and new_longest * (len(current) + 1) > budget:
-            groups.append(sorted(current))
+            out.append(sorted(current))
             current, new_longest = [], lengths[i]
         current.append(i)
         longest = new_longest
     if current:
-        groups.append(sorted(current))
-    return groups
+        out.append(sorted(current))
+    return out
 
 
 def collate(completions: list[Completion], rows: list[int], advantages: torch.Tensor, pad_id: int) -> MicroBatch:
@@ -122,10 +130,13 @@ def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad
 
 
 def make_micro_batches(completions: list[Completion], advantages: torch.Tensor, budget: int, pad_id: int,
-                       subset: list[int] | None = None) -> list[MicroBatch]:
+                       subset: list[int] | None = None, by_prompt: bool = False) -> list[MicroBatch]:
+    """`subset` (default all) packed by `budget`; `by_prompt` keeps each prompt's rows together (see `pack`), for a
+    trainer that runs each prompt once."""
     idx = list(range(len(completions))) if subset is None else subset
     lengths = [len(completions[i].prompt_ids) + len(completions[i].completion_ids) for i in idx]
-    return [collate(completions, [idx[k] for k in g], advantages, pad_id) for g in pack(lengths, budget)]
+    groups = [completions[i].prompt_index for i in idx] if by_prompt else None
+    return [collate(completions, [idx[k] for k in g], advantages, pad_id) for g in pack(lengths, budget, groups)]
 
 
 def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:

@@ -65,7 +65,8 @@ class TrainWorker:
                 continue
             lengths = [len(completions[i].prompt_ids) + len(completions[i].completion_ids) for i in rows]
             mine = [rows[k] for k in balance(lengths, self.dp_size)[self.dp_rank]]
-            mbs = make_micro_batches(completions, zeros, b.micro_batch_tokens, self.pad_id, mine) if mine else []
+            mbs = make_micro_batches(completions, zeros, b.micro_batch_tokens, self.pad_id, mine,
+                                     by_prompt=self.policy.share_prompts) if mine else []
             if keep_rows is not None:
                 for mb in mbs:
                     mb.mask = mb.mask * keep_rows[mb.rows].unsqueeze(-1)

@@ -78,3 +78,22 @@ def test_only_tested_architectures_share_prompts():
     mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                                num_key_value_heads=2, intermediate_size=64, sliding_window=8))
     assert not shares_prompts(mistral)
+
+
+def test_packing_by_prompt_keeps_groups_whole():
+    """Lengths interleave across groups, so packing by length alone splits every group; by prompt, each micro-batch
+    holds whole groups (and runs each of its prompts once)."""
+    comps = []
+    for g in range(4):
+        for k in range(4):
+            n = 1 + (k + g) % 4  # every group has completions of 1..4 tokens
+            comps.append(Completion([5 + g, 6, 7], list(range(8, 8 + n)), [0.0] * n, "", "stop", g))
+    budget = 8 * 7  # 8 rows of the longest (3 + 4) tokens: two whole groups
+    plain = make_micro_batches(comps, torch.zeros(16), budget, pad_id=0)
+    grouped = make_micro_batches(comps, torch.zeros(16), budget, pad_id=0, by_prompt=True)
+    groups_of = lambda mb: [comps[i].prompt_index for i in mb.rows]  # noqa: E731
+    assert any(0 < groups_of(mb).count(g) < 4 for mb in plain for g in set(groups_of(mb)))
+    assert len(grouped) == 2 and sorted(r for mb in grouped for r in mb.rows) == list(range(16))
+    for mb in grouped:
+        assert all(groups_of(mb).count(g) == 4 for g in set(groups_of(mb)))
+        assert mb.shared.ids.shape[0] == 2 and mb.input_ids.numel() <= budget
