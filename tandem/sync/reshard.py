@@ -97,26 +97,20 @@ def _share(all_rounds: list[list[Move]], rank: int, group, global_rank, device: 
     out_peers = sorted({m.dst for m in remote if m.src == rank})
     in_peers = sorted({m.src for m in remote if m.dst == rank})
     need = max((_offsets(r)[1].get(rank, 0) for r in all_rounds), default=0)
-    path, mine = None, None
+    path, mine, note = None, None, b""
     if need and device.type == "cpu" and os.path.isdir(SHM_DIR):
         st = os.statvfs(SHM_DIR)
         if st.f_bavail * st.f_frsize > 2 * need:  # a full tmpfs would kill the writer with SIGBUS: keep a margin
             path = os.path.join(SHM_DIR, f"tandem-reshard-{uuid.uuid4().hex}")
-            mine = torch.from_file(path, shared=True, size=need, dtype=torch.uint8)
-    note = f"{path}|{need}".encode() if path else b""
+            nonce = uuid.uuid4().bytes
+            mine = torch.from_file(path, shared=True, size=need + len(nonce), dtype=torch.uint8)
+            mine[need:] = torch.tensor(list(nonce), dtype=torch.uint8)
+            note = f"{path}|{need}|{nonce.hex()}".encode()
     names = {s: torch.zeros(_NAME_BYTES, dtype=torch.uint8) for s in in_peers}
     _p2p([dist.P2POp(dist.isend, torch.tensor(list(note.ljust(_NAME_BYTES, b"\0")), dtype=torch.uint8),
                      global_rank(d), group, _TAG_NAME) for d in out_peers]
          + [dist.P2POp(dist.irecv, names[s], global_rank(s), group, _TAG_NAME) for s in in_peers])
-    peers = {}
-    for s, buf in names.items():
-        text = bytes(buf.tolist()).rstrip(b"\0").decode()
-        if text:
-            name, size = text.rsplit("|", 1)
-            try:
-                peers[s] = torch.from_file(name, shared=True, size=int(size), dtype=torch.uint8)
-            except (OSError, RuntimeError):  # not on this host (or not visible from this container)
-                pass
+    peers = {s: seg for s, buf in names.items() if (seg := _map_segment(bytes(buf.tolist()).rstrip(b"\0"))) is not None}
     mapped = {d: torch.zeros(1, dtype=torch.uint8) for d in out_peers}
     _p2p([dist.P2POp(dist.isend, torch.tensor([int(s in peers)], dtype=torch.uint8), global_rank(s), group,
                      _TAG_MAPPED) for s in in_peers]
@@ -125,6 +119,24 @@ def _share(all_rounds: list[list[Move]], rank: int, group, global_rank, device: 
         os.unlink(path)
     pairs = {(rank, d) for d in out_peers if int(mapped[d])} | {(s, rank) for s in peers}
     return _Shared(mine if any(p[0] == rank for p in pairs) else None, peers, pairs)
+
+
+def _map_segment(note: bytes) -> torch.Tensor | None:
+    """A sender's segment from its note (path|size|nonce), or None when this process does not see that very file:
+    on another host (or in another container) the path is absent, and mapping it would create an empty file of
+    our own; the nonce written at its end guards against any other file of the same name."""
+    if not note:
+        return None
+    path, size, nonce = note.decode().split("|")
+    if not os.path.isfile(path):  # torch.from_file would create it
+        return None
+    try:
+        seg = torch.from_file(path, shared=True, size=int(size) + len(nonce) // 2, dtype=torch.uint8)
+    except (OSError, RuntimeError):
+        return None
+    if bytes(seg[int(size):].tolist()) != bytes.fromhex(nonce):
+        return None
+    return seg[:int(size)]
 
 
 def _offsets(moves: list[Move]) -> tuple[dict[int, int], dict[int, int]]:

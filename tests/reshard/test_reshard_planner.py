@@ -227,3 +227,19 @@ def test_assigned_numbering_meets_the_dp_fastest_bound_for_tp4_to_dp2_tp2():
     # every rank needs half the model and holds a quarter of it: 4 x 1/4 of the model (vs naive 4 x 3/4)
     assert assigned.bytes_moved == assigned.lower_bound
     assert abs(assigned.lower_bound / model_bytes - 1.0) < 0.05 and as_given.lower_bound / model_bytes > 1.4
+
+
+def test_a_segment_is_mapped_only_when_it_is_the_senders_own(tmp_path):
+    """A receiver on another host sees no such file (and must not create one: torch.from_file would); a file of the
+    same name that is not the sender's (wrong nonce) is refused too. Either way the pair stays on p2p."""
+    from tandem.sync.reshard import _map_segment
+
+    absent = tmp_path / "absent"
+    assert _map_segment(f"{absent}|8|{'00' * 16}".encode()) is None and not absent.exists()
+    path, nonce = tmp_path / "segment", bytes(range(16))
+    seg = torch.from_file(str(path), shared=True, size=8 + 16, dtype=torch.uint8)
+    seg[8:] = torch.tensor(list(nonce), dtype=torch.uint8)
+    assert _map_segment(f"{path}|8|{'ff' * 16}".encode()) is None
+    mapped = _map_segment(f"{path}|8|{nonce.hex()}".encode())
+    seg[:8] = 7  # the sender's writes are what the receiver reads
+    assert mapped is not None and mapped.tolist() == [7] * 8
