@@ -5,11 +5,12 @@
 4 gloo processes on loopback, one torch thread each, a Qwen2-shaped fp32 parameter set (fused qkv / gate_up).
 For every case: bytes moved over the lower bound (the planner's target is exactly 1.00); the median time of the
 planned reshard into preallocated tensors (as an engine's own weights are filled), through shared memory (these 4
-processes share a host: the default) and over gloo p2p alone (`p2p`, the path between hosts); the naive path (all_gather every parameter's local shards onto every rank, then slice) in time
-and bytes; and a disk round trip (rank 0 saves the full model with safetensors, every rank loads it and slices;
+processes share a host: the default) and over gloo p2p alone (`p2p`, the path between hosts); the naive path
+(all_gather every parameter's local shards onto every rank, then slice) in time and bytes; and a disk round trip (rank 0 saves the full model with safetensors, every rank loads it and slices;
 the full model is assumed already on rank 0, and the page cache is warm, both in the disk path's favour), and the
 round trip the issue names, `save_pretrained` on rank 0 then `from_pretrained` on every rank (`hf/time`).
-Times are the slowest rank's, median of --repeats after one warm-up (the hf round trip's too). Every result is checked bit for bit.
+Times are the slowest rank's, median of --repeats after one warm-up (the hf round trip's too). Every result is
+checked bit for bit.
 """
 from __future__ import annotations
 
@@ -143,6 +144,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
         out = {n: torch.empty(shape) for n, shape in p.dst_shapes.get(rank, {}).items()}
         t_plan, got = timed(lambda: reshard(p, rank, mine, bucket_bytes=args.bucket_mb << 20, out=out), args.repeats)
         got = {n: t.clone() for n, t in got.items()}
+        for t in out.values():  # so the p2p run's result is its own, not what the run above left there
+            t.fill_(float("nan"))
         t_p2p, got_p2p = timed(lambda: reshard(p, rank, mine, bucket_bytes=args.bucket_mb << 20, out=out,
                                                shared_memory=False), args.repeats)
         t_naive, (got_naive, naive_bytes) = timed(lambda: naive(rank, src, dst, mine), args.repeats)

@@ -77,6 +77,7 @@ class _Shared:
     mine: torch.Tensor | None
     peers: dict[int, torch.Tensor]
     pairs: set[tuple[int, int]]
+    offsets: list[dict[int, int]]  # per round: where each remote move sits in its sender's segment (see _offsets)
 
 
 def _p2p(ops: list) -> None:
@@ -96,7 +97,8 @@ def _share(all_rounds: list[list[Move]], rank: int, group, global_rank, device: 
     remote = [m for r in all_rounds for m in r if m.src != m.dst]
     out_peers = sorted({m.dst for m in remote if m.src == rank})
     in_peers = sorted({m.src for m in remote if m.dst == rank})
-    need = max((_offsets(r)[1].get(rank, 0) for r in all_rounds), default=0)
+    layouts = [_offsets(r) for r in all_rounds]
+    need = max((used.get(rank, 0) for _, used in layouts), default=0)
     path, mine, note = None, None, b""
     if need and device.type == "cpu" and os.path.isdir(SHM_DIR):
         st = os.statvfs(SHM_DIR)
@@ -118,7 +120,7 @@ def _share(all_rounds: list[list[Move]], rank: int, group, global_rank, device: 
     if path:
         os.unlink(path)
     pairs = {(rank, d) for d in out_peers if int(mapped[d])} | {(s, rank) for s in peers}
-    return _Shared(mine if any(p[0] == rank for p in pairs) else None, peers, pairs)
+    return _Shared(mine if any(p[0] == rank for p in pairs) else None, peers, pairs, [at for at, _ in layouts])
 
 
 def _map_segment(note: bytes) -> torch.Tensor | None:
@@ -229,10 +231,10 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
     key = ("shared", bucket_bytes, rank)
     if shared_memory and key not in plan.cache:
         plan.cache[key] = _share(all_rounds, rank, group, global_rank, torch.device(device))
-    shared = plan.cache[key] if shared_memory else _Shared(None, {}, set())
+    shared = plan.cache[key] if shared_memory else _Shared(None, {}, set(), [])
     # reused by every round: faulting in fresh pages costs about as much as the copy itself
     stage = torch.empty(0, dtype=torch.uint8, device=device)
-    for moves in all_rounds:
+    for k, moves in enumerate(all_rounds):
         # p2p: one message per move, tagged by its place among this pair's messages in the round (both sides count
         # the same way). A contiguous source view is sent as is and a contiguous destination view of the same dtype
         # receives in place; only the rest go through the staging buffer, packed before and unpacked after.
@@ -240,7 +242,7 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
         # copies them out and answers "read", after which the sender may reuse the segment.
         ours: list[tuple[Move, int, torch.Tensor, bool]] = []  # (move, tag, this side's view, sent/received as is)
         count: dict[tuple[int, int], int] = defaultdict(int)
-        offsets = _offsets(moves)[0] if shared.pairs else {}
+        offsets = shared.offsets[k] if shared.pairs else {}
         written: set[int] = set()  # offsets this rank has filled this round (a replicated slice is written once)
         reads: list[tuple[Move, int, torch.Tensor]] = []
         notes_out, notes_in = set(), set()  # peers this rank wrote for / reads from, this round
