@@ -20,7 +20,8 @@ from tandem.modeling import check_model_folder, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.rollout import Completion, Sampling
 from tandem.workers import placement
-from tandem.workers.placement import PendingRollout, Placement, Rollout
+from tandem.workers.group import Pending
+from tandem.workers.placement import PendingRollout, Placement, Rollout, Synced
 
 log = logging.getLogger("tandem.trainer")
 
@@ -36,6 +37,7 @@ class Run:
     start_step: int = 0
     resumed: bool = False
     rollouts: "Rollouts | None" = None
+    last_finished: float = 0.0  # wall-clock end of the last finished step's weight sync
 
     def close(self) -> None:
         self.workers.shutdown()
@@ -211,41 +213,63 @@ def collect(run: Run, step: int, t: Timer) -> tuple[list[Completion], list[float
     return comps, totals, stats
 
 
-def grpo_step(run: Run, step: int) -> dict[str, float]:
+@dataclass
+class Launched:
+    """A step whose samples are scored and whose update and weight sync are queued on the workers."""
+
+    step: int
+    metrics: dict[str, float]
+    launched_at: float  # wall-clock time at the start of `grpo_step`
+    tokens: int  # prompt + completion tokens trained on
+    prepared: Pending
+    trained: Pending
+    synced: Synced
+
+
+def grpo_step(run: Run, step: int) -> Launched:
+    """Sample (or take the samples made ahead), score, compute advantages and queue the update and the weight
+    sync. It returns without waiting for them: the next step's samples are scored while this one trains."""
     cfg, a = run.cfg, run.cfg.algo
-    t = Timer()
-    with t("step"):
-        comps, rewards, m = collect(run, step, t)
-        lengths = torch.tensor([len(c.completion_ids) for c in comps])
-        run.workers.observe_lengths(lengths)
-        reward = torch.tensor(rewards, dtype=torch.float32)
-        if a.overlong_buffer:
-            reward = reward + overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
-                                               a.overlong_penalty).float()
-        with t("logprobs"):
-            penalties = run.workers.prepare(comps)
-        if a.kl_in_reward:
-            reward = reward - torch.tensor(penalties, dtype=torch.float32)
-        groups = torch.tensor([c.prompt_index for c in comps])
-        adv = ADVANTAGES[a.advantage](reward, groups, eps=a.adv_eps)
-        with t("update"):
-            stats = run.workers.train(adv)
-        with t("sync"):
-            sync = run.workers.sync_weights(step)
-    gen_tokens = int(lengths.sum())
-    m.update(stats)
+    t, launched_at = Timer(), time.time()
+    comps, rewards, m = collect(run, step, t)
+    lengths = torch.tensor([len(c.completion_ids) for c in comps])
+    run.workers.observe_lengths(lengths)
+    reward = torch.tensor(rewards, dtype=torch.float32)
+    if a.overlong_buffer:
+        reward = reward + overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
+                                           a.overlong_penalty).float()
+    prepared = run.workers.prepare(comps)  # queued behind the previous step's update and sync
+    if a.kl_in_reward:
+        reward = reward - torch.tensor(prepared.get()[0], dtype=torch.float32)
+    groups = torch.tensor([c.prompt_index for c in comps])
+    adv = ADVANTAGES[a.advantage](reward, groups, eps=a.adv_eps)
+    trained = run.workers.train(adv)
+    synced = run.workers.sync_weights(step)
     m.update({
         "reward/mean": float(reward.mean()), "reward/std": float(reward.std()) if len(reward) > 1 else 0.0,
         "advantage/mean": float(adv.mean()), "advantage/std": float(adv.std()) if len(adv) > 1 else 0.0,
         "advantage/abs_mean": float(adv.abs().mean()),
         "completion/length_mean": float(lengths.float().mean()), "completion/length_max": int(lengths.max()),
         "completion/truncated_frac": sum(c.truncated for c in comps) / len(comps),
-        "time/rollout": t["rollout"], "time/reward": t["reward"], "time/logprobs": stats["time/logprobs"],
-        "time/update": stats["time/update"], "time/sync": t["sync"], "time/step": t["step"],
-        "sync/bytes": sync["bytes"], "sync/seconds": sync["seconds"],
-        "rollout/tokens_per_s": gen_tokens / max(m["time/generate"], 1e-9),
-        "tokens_per_s": (gen_tokens + sum(len(c.prompt_ids) for c in comps)) / max(t["step"], 1e-9),
+        "time/rollout": t["rollout"], "time/reward": t["reward"],
+        "rollout/tokens_per_s": int(lengths.sum()) / max(m["time/generate"], 1e-9),
     })
+    tokens = int(lengths.sum()) + sum(len(c.prompt_ids) for c in comps)
+    return Launched(step, m, launched_at, tokens, prepared, trained, synced)
+
+
+def finish(run: Run, s: Launched) -> dict[str, float]:
+    """Wait for a launched step's update and sync; its metrics. `time/step` runs from the end of the previous
+    step's sync (or this step's start, if later) to the end of this one's: with steps queued back to back, that is
+    the pipeline's rate, each second counted once."""
+    s.prepared.get()  # its errors, if any, surface here
+    m = dict(s.metrics)
+    m.update(s.trained.get()[0])
+    sync = s.synced.get()
+    step_time = sync["finished_at"] - max(s.launched_at, run.last_finished)
+    run.last_finished = sync["finished_at"]
+    m.update({"time/sync": sync["seconds"], "sync/bytes": sync["bytes"], "time/step": step_time,
+              "tokens_per_s": s.tokens / max(step_time, 1e-9)})
     return m
 
 
@@ -279,17 +303,28 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             summary.update({f"initial_{k}": v for k, v in first.items()})
             log.info("step 0 eval: %s", _fmt(first))
         bar = _progress(r.progress, run.start_step, r.steps)
-        for step in range(run.start_step + 1, r.steps + 1):
-            m = grpo_step(run, step)
-            if (r.eval_every and step % r.eval_every == 0) or step == r.steps:
+
+        def conclude(s: Launched) -> None:
+            m = finish(run, s)
+            if _every(r.eval_every, s.step) or s.step == r.steps:
                 m.update(run_eval(run))
-            metrics.log(step, m)
-            if (r.save_every and step % r.save_every == 0) or step == r.steps:
-                save(run, step)
+            metrics.log(s.step, m)
+            if _every(r.save_every, s.step) or s.step == r.steps:
+                save(run, s.step)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['train/accuracy']:.2f}",
                                 **({"eval": f"{m['eval/accuracy']:.2f}"} if "eval/accuracy" in m else {}))
+
+        queued: Launched | None = None  # a step whose update may still be running on the workers
+        for step in range(run.start_step + 1, r.steps + 1):
+            launched = grpo_step(run, step)  # this step's samples were scored while `queued` trained
+            if queued is not None:
+                conclude(queued)
+            queued = launched
+            if _every(r.eval_every, step) or _every(r.save_every, step) or step == r.steps:
+                conclude(queued)  # evaluation and checkpoints see this step's update, and nothing queued after it
+                queued = None
         if bar is not None:
             bar.close()
         final = metrics.history[-1] if metrics.history else {}
@@ -312,6 +347,10 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{k}")
     return out
+
+
+def _every(period: int, step: int) -> bool:
+    return bool(period) and step % period == 0
 
 
 def _progress(enabled: bool, start: int, total: int):

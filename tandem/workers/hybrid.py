@@ -58,11 +58,14 @@ class HybridWorker(TrainWorker):
         resident = getattr(self.engine, "resident_bytes", None)
         return int(resident()) if resident else 0
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Generated:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Generated:
+        if self.version < min_version:  # calls run in submission order: the sync asked for came first
+            raise RuntimeError(f"generate asked for policy version {min_version}; this engine holds {self.version}")
         self._enter("generate")
         start = time.perf_counter()
         comps = self.engine.generate(prompts, sampling)
-        return Generated(comps, self.version, time.perf_counter() - start)
+        self._last_end = time.perf_counter()  # the trainer's idle time is what follows: scoring, shipping
+        return Generated(comps, self.version, self._last_end - start)
 
     def prepare(self, completions) -> list[float]:
         self._enter("logprobs")
@@ -79,12 +82,12 @@ class HybridWorker(TrainWorker):
         reshard across several."""
         self._enter("sync")
         self.version = version
+        start = time.perf_counter()
         if self.mesh is None:
-            return push_weights(self.policy.named_weights(), self.engine)
+            return self._synced(start, push_weights(self.policy.named_weights(), self.engine)["bytes"])
         from tandem.sync.planner import plan_to_replicas
         from tandem.sync.reshard import reshard_iter
 
-        start = time.perf_counter()
         if self._group_plan is None:  # the layouts never change during a run: plan once (every rank alike)
             self._group_plan = plan_to_replicas(self.weight_layout(), self.ctx.group_ranks[self.ctx.name])
         # straight into the engine's own weights where it allows that (hf); else through its load_weights
@@ -92,7 +95,7 @@ class HybridWorker(TrainWorker):
         for bucket in reshard_iter(self._group_plan, self.ctx.global_rank, self.local_weights(),
                                    bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, out=inplace):
             self.engine.load_weights(bucket)
-        return {"seconds": time.perf_counter() - start, "bytes": self._group_plan.bytes_moved}
+        return self._synced(start, self._group_plan.bytes_moved)
 
     def save(self, folder: str) -> None:
         self.policy.load("params", "optim")  # a checkpoint reads them; the next phase offloads them again

@@ -10,7 +10,7 @@ import torch
 from tandem.config import Config
 from tandem.rollout import Completion, Sampling
 from tandem.workers.balance import balance
-from tandem.workers.group import LocalWorkerGroup, WorkerGroup
+from tandem.workers.group import LocalWorkerGroup, Pending, WorkerGroup
 from tandem.workers.hybrid import HybridWorker
 from tandem.workers.rollout import Generated, RolloutWorker
 from tandem.workers.train import TrainWorker
@@ -49,21 +49,42 @@ class PendingRollout:
 
 
 @dataclass
+class Synced:
+    """A weight sync in flight: trainers -> samplers, or inside each hybrid worker; `get` waits for its stats."""
+
+    parts: list[Pending]  # the senders' call first (its stats are reported), then the receivers'
+
+    def get(self) -> dict:
+        for receivers in self.parts[1:]:  # first: a sender that died fails them at once, naming the cause
+            receivers.get()
+        # The senders' seconds: a receiver starts waiting as soon as the sync is queued, before the update ends.
+        senders = self.parts[0].get()
+        return dict(senders[0], seconds=max(s["seconds"] for s in senders))
+
+
+@dataclass
 class Placement:
-    """What the controller calls, however the workers are placed (built by `build`)."""
+    """What the controller calls, however the workers are placed (built by `build`).
+
+    Calls return at once with a Pending: each worker runs its calls in the order they were submitted, so the
+    controller can queue a step's update and weight sync and go on to score the next step's samples meanwhile.
+    """
 
     trainers: WorkerGroup
     samplers: WorkerGroup  # the same group as `trainers` when colocated
     split: bool
     expected_completion_tokens: float = 0.0  # running estimate used to balance prompts over samplers
     groups: list = field(default_factory=list)  # every group started, to shut down
+    version: int = 0  # the newest policy version sent to the engines (maybe still on its way)
 
     def submit_generate(self, prompts: list[list[int]], sampling: Sampling) -> PendingRollout:
-        """Spread prompts over the samplers so they finish together: balanced by expected tokens, not count."""
+        """Spread prompts over the samplers so they finish together: balanced by expected tokens, not count.
+        The samplers use the newest weights sent so far, waiting for them if they are still on their way."""
         expect = self.expected_completion_tokens or sampling.max_new_tokens
         costs = [sampling.n * (len(p) + expect) for p in prompts]
         shares = balance(costs, self.samplers.size)
-        pending = self.samplers.submit_each("generate", [([prompts[i] for i in s], sampling) for s in shares])
+        pending = self.samplers.submit_each("generate", [([prompts[i] for i in s], sampling, self.version)
+                                                         for s in shares])
         return PendingRollout(pending, shares)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> Rollout:
@@ -74,28 +95,29 @@ class Placement:
         e = self.expected_completion_tokens
         self.expected_completion_tokens = mean if not e else 0.7 * e + 0.3 * mean
 
-    def prepare(self, completions: list[Completion]) -> list[float]:
-        return self.trainers.call("prepare", completions)[0]
+    def prepare(self, completions: list[Completion]) -> Pending:
+        """Lay out the step and score its logprobs; `get()[0]` is the KL penalty per completion."""
+        return self.trainers.submit("prepare", completions)
 
-    def train(self, advantages: torch.Tensor) -> dict[str, float]:
-        return self.trainers.call("train", advantages)[0]
+    def train(self, advantages: torch.Tensor) -> Pending:
+        """Update on the prepared step; `get()[0]` is its stats."""
+        return self.trainers.submit("train", advantages)
 
-    def sync_weights(self, version: int) -> dict:
+    def sync_weights(self, version: int) -> Synced:
         """New policy weights to every engine: inside each hybrid worker, or trainers -> samplers (no disk)."""
+        self.version = version
         if not self.split:
-            return self.trainers.call("sync_weights", version)[0]
+            return Synced([self.trainers.submit("sync_weights", version)])
         sent = self.trainers.submit("send_weights", version)
         got = self.samplers.submit_side("receive_weights", version)  # runs while a generate works
-        received = got.get()
-        stats = sent.get()[0]
-        return {"seconds": max([stats["seconds"]] + [r["seconds"] for r in received]), "bytes": stats["bytes"]}
+        return Synced([sent, got])
 
     def save(self, folder: str) -> None:
         self.trainers.call("save", folder)
 
     def load(self, folder: str, version: int) -> None:
         self.trainers.call("load", folder)
-        self.sync_weights(version)
+        self.sync_weights(version).get()
 
     def shutdown(self) -> None:
         for g in self.groups:

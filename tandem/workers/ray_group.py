@@ -8,6 +8,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -176,6 +177,26 @@ class _Gang:
         self.groups: list[RayWorkerGroup] = []
         self.broken: str | None = None
         self.lock = threading.Lock()
+        self.in_flight: weakref.WeakSet[RayPending] = weakref.WeakSet()  # calls the controller may still wait on
+
+    def death_elsewhere(self, besides: RayPending) -> tuple[RayPending, int, BaseException] | None:
+        """A worker that died in another call in flight (waiting up to FAILURE_GRACE_S for one to show): when a
+        call fails because its peer died (a sampler waiting for weights from a dead trainer), the death is the
+        cause to report."""
+        ray = import_ray()
+        refs = {ref: (p, i) for p in list(self.in_flight) if p is not besides for ref, i in p._waiting.items()}
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            p, i = refs.pop(ready[0])
+            try:
+                ray.get(ready[0])
+            except Exception as exc:
+                if _describe(exc)[0] == "died":
+                    return p, i, exc
+        return None
 
     def fail(self, reason: str) -> None:
         """Kill every actor: survivors may sit in a collective waiting for the failed one, forever."""
@@ -228,6 +249,7 @@ class RayPending:
         self._error: WorkerError | None = None
         self._started = time.monotonic()
         self._deadline = None if call_timeout_s is None else self._started + call_timeout_s
+        gang.in_flight.add(self)
 
     def _poll(self, until: float | None) -> bool:
         """Collect finished futures until all are in, one has failed, or `until` passes; True when settled."""
@@ -270,6 +292,12 @@ class RayPending:
             msg = f"worker {rank}/{group.size} of {group.name!r} {kind} in {self.method}: {line}"
             if len(failures) > 1:
                 msg += f" (and {len(failures) - 1} more of this call's workers failed)"
+            death = None if kind == "died" else self.gang.death_elsewhere(self)
+            if death is not None:
+                other, j, exc = death
+                dead_group, dead_rank, _ = other._entries[j]
+                msg = (f"worker {dead_rank}/{dead_group.size} of {dead_group.name!r} died in {other.method}: "
+                       f"{_describe(exc)[1]} (then {msg})")
             self.gang.fail(msg)
         self._error = WorkerError(msg)
         self._error.__cause__ = exc

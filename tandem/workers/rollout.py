@@ -55,22 +55,32 @@ class RolloutWorker:
         self.engine = make_engine(name, **kwargs)
         self.version = 0
         self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
-        self._lock = threading.Lock()
+        self._arrived = threading.Condition()  # guards _staged and _failed; notified when either is set
+        self._failed: BaseException | None = None  # why a weight receive failed (the run is over then)
         self._plan = None
         self._last_end = time.perf_counter()
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> Generated:
-        start = time.perf_counter()
-        idle = start - self._last_end
-        with self._lock:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Generated:
+        """Generate with policy version `min_version` or newer: the controller may ask before those weights have
+        arrived (their send is already on its way), and the wait counts as idle."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._newest() >= min_version or self._failed is not None)
+            if self._newest() < min_version:
+                raise RuntimeError(f"waited for policy version {min_version}, but receiving weights failed: "
+                                   f"{self._failed!r}")
             staged, self._staged = self._staged, None
+        ready = time.perf_counter()
         if staged is not None:
             self.engine.load_weights(staged[1])
             self.version = staged[0]
         loaded = time.perf_counter()
         comps = self.engine.generate(prompts, sampling)
+        idle = ready - self._last_end
         self._last_end = time.perf_counter()
-        return Generated(comps, self.version, self._last_end - loaded, idle, loaded - start)
+        return Generated(comps, self.version, self._last_end - loaded, idle, loaded - ready)
+
+    def _newest(self) -> int:
+        return max(self.version, self._staged[0] if self._staged else -1)
 
     def set_sync_plan(self, plan) -> None:
         self._plan = plan
@@ -80,10 +90,17 @@ class RolloutWorker:
         from tandem.sync.reshard import reshard
 
         start = time.perf_counter()
-        out = reshard(self._plan, self.ctx.global_rank, {}, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
+        try:
+            out = reshard(self._plan, self.ctx.global_rank, {}, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
+        except BaseException as exc:  # a generate waiting for these weights must not wait forever
+            with self._arrived:
+                self._failed = exc
+                self._arrived.notify_all()
+            raise
         named = list(out.items())
-        with self._lock:
+        with self._arrived:
             self._staged = (version, named)
+            self._arrived.notify_all()
         return {"seconds": time.perf_counter() - start, "bytes": sum(t.numel() * t.element_size() for _, t in named)}
 
     def close(self) -> None:

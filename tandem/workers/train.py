@@ -44,6 +44,7 @@ class TrainWorker:
                              cfg.rollout.temperature, cfg.rollout.max_new_tokens, mesh=self.mesh,
                              stale_samples=cfg.placement.schedule == "async")
         self._mini: list[list[MicroBatch]] = []
+        self._last_end = time.perf_counter()  # when this worker last finished a step's work (its sync)
 
     def prepare(self, completions: list[Completion]) -> list[float]:
         """Lay this worker's share of the step out for training and score old/reference logprobs.
@@ -52,6 +53,8 @@ class TrainWorker:
         are shared out over the dp ranks, and each share is packed into micro-batches by token budget. Returns
         every completion's KL penalty when `algo.kl_in_reward` is on.
         """
+        start = time.perf_counter()
+        self._idle = start - self._last_end
         b, a = self.cfg.batch, self.cfg.algo
         groups = sorted({c.prompt_index for c in completions})
         per = -(-len(groups) // b.mini_batches)
@@ -71,7 +74,6 @@ class TrainWorker:
                 for mb in mbs:
                     mb.mask = mb.mask * keep_rows[mb.rows].unsqueeze(-1)
             self._mini.append(mbs)  # possibly empty: every rank holds the same number of mini-batches
-        start = time.perf_counter()
         self._sums, penalties = self.policy.prepare(self._mini)
         self._t_logprobs = time.perf_counter() - start
         return penalties
@@ -84,6 +86,7 @@ class TrainWorker:
         stats = self.policy.update(self._mini, self._sums)
         stats["time/update"] = time.perf_counter() - start
         stats["time/logprobs"] = self._t_logprobs
+        stats["time/trainer_idle"] = self._idle
         self._mini = []
         return stats
 
@@ -111,7 +114,13 @@ class TrainWorker:
         start = time.perf_counter()
         reshard(self._plan, self.ctx.global_rank, self.local_weights(),
                 bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
-        return {"seconds": time.perf_counter() - start, "bytes": self._plan.bytes_moved}
+        return self._synced(start, self._plan.bytes_moved)
+
+    def _synced(self, start: float, nbytes: int) -> dict:
+        """A weight sync's stats; it ends the step on this worker. `finished_at` is wall-clock time: the controller
+        measures steps between these, so that queued steps count once."""
+        self._last_end = time.perf_counter()
+        return {"seconds": self._last_end - start, "bytes": nbytes, "finished_at": time.time()}
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import os
 import signal
 import tempfile
@@ -134,6 +135,25 @@ def _actor_pids() -> list[int]:
     return [pid for pid, cmd in descendants() if cmd.startswith("ray::_Host")]
 
 
+def _actor_pids_by_group(monkeypatch) -> dict[str, list[int]]:
+    """Filled when the run's workers are built: each group's actor processes, in rank order."""
+    import ray
+
+    from tandem.workers import placement
+
+    pids: dict[str, list[int]] = {}
+    build = placement.build
+
+    def build_and_record(cfg):
+        built = build(cfg)
+        for g in built.groups:
+            pids[g.name] = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in g.actors])
+        return built
+
+    monkeypatch.setattr(placement, "build", build_and_record)
+    return pids
+
+
 def _kill_after_checkpoint(root: Path, pick) -> threading.Thread:
     """Once a checkpoint is published, SIGKILL the actor `pick(pids)` chooses (in a background thread)."""
     def run():
@@ -180,6 +200,24 @@ def test_killed_sampler_stops_the_run_by_name(session, tiny_model, tmp_path):
     _train_until_killed(cfg, tmp_path, r"worker \d/2 of 'samplers' died in \w+")
 
 
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_killed_trainer_stops_a_split_run_by_name(session, tiny_model, tmp_path, schedule, monkeypatch):
+    """The samplers may be waiting for weights the dead trainer will never send: the run still stops promptly,
+    naming the trainer."""
+    cfg = small_config(tiny_model, tmp_path, "run.steps=200", "run.keep_checkpoints=1", "placement.mode=split",
+                       f"placement.schedule={schedule}")
+    pids = _actor_pids_by_group(monkeypatch)
+    killer = _kill_after_checkpoint(tmp_path, lambda _: pids["trainers"][0])
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        train(cfg)
+    assert time.monotonic() - start < 240
+    killer.join(1)
+    assert re.search(r"worker 0/1 of 'trainers' died in \w+", str(err.value)), str(err.value)
+    last = checkpoint.latest(tmp_path / "checkpoints")
+    _assert_intact(tmp_path, int(last.name.split("-")[1]))
+
+
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -213,7 +251,7 @@ def test_async_sampling_keeps_the_staleness_bound_and_learns(session, demo_path,
         assert summary["eval/accuracy"] > summary["initial_eval/accuracy"] + 0.25, summary
 
 
-TIMING = ("time/", "tokens_per_s", "rollout/tokens_per_s", "sync/seconds", "memory/")
+TIMING = ("time/", "tokens_per_s", "rollout/tokens_per_s", "memory/")
 
 
 def _cut_at_step_2(full: Path, cut: Path) -> None:
