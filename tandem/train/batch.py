@@ -32,6 +32,7 @@ class SharedPrompts:
     inputs: torch.Tensor  # [b, T] the prompt's last token, then the completion but its last token, right-aligned
     inputs_mask: torch.Tensor  # [b, T] 1 on those tokens (the loss mask may drop some; this does not)
     inputs_positions: torch.Tensor  # [b, T]
+    buckets: list[tuple[torch.Tensor, int]]  # rows run together and their width: the last `width` columns suffice
 
 
 @dataclass
@@ -110,6 +111,37 @@ def _left_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[torch.Ten
     return ids, mask
 
 
+# What one more pass over a bucket of rows costs, in padded token positions: a pass is about a hundred small ops
+# (~2 ms on a CPU core), one position of the demo's model forward and backward about 60 us. Bigger models make
+# positions dearer, so this errs towards fewer buckets there.
+BUCKET_PASS_TOKENS = 32
+
+
+def length_buckets(widths: list[int], pass_tokens: int | None = None) -> list[tuple[list[int], int]]:
+    """Rows (indices into `widths`) grouped by width, each group run as one pass padded to its widest row: the
+    grouping with the fewest padded positions plus `pass_tokens` per pass. Exact: a best grouping takes contiguous
+    ranges of the sorted widths, found by dynamic programming over them."""
+    cost_of_pass = BUCKET_PASS_TOKENS if pass_tokens is None else pass_tokens
+    widths = [max(w, 1) for w in widths]  # an empty completion still feeds its prompt's last token
+    distinct = sorted(set(widths))
+    rows_upto = [0]
+    for w in distinct:
+        rows_upto.append(rows_upto[-1] + widths.count(w))
+    best, cut = [0] + [None] * len(distinct), [0] * (len(distinct) + 1)
+    for j in range(1, len(distinct) + 1):
+        for i in range(j):
+            cost = best[i] + (rows_upto[j] - rows_upto[i]) * distinct[j - 1] + cost_of_pass
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    out, j = [], len(distinct)
+    while j:
+        i = cut[j]
+        lo, hi = distinct[i], distinct[j - 1]
+        out.append(([r for r, w in enumerate(widths) if lo <= w <= hi], hi))
+        j = i
+    return out[::-1]
+
+
 def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad_id: int) -> SharedPrompts | None:
     """The prompt-once layout of these rows; None when no prompt repeats (nothing to save), nothing is generated,
     or a prompt is a single token (nothing would be left to run once)."""
@@ -126,6 +158,7 @@ def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad
         ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), of_row=torch.tensor(of_row),
         inputs=inputs, inputs_mask=mask,
         inputs_positions=(plen[:, None] - 1 + torch.arange(T) - start[:, None]).clamp(min=0),
+        buckets=[(torch.tensor(rows), width) for rows, width in length_buckets([len(c) for c in outs])],
     )
 
 

@@ -52,23 +52,25 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     wrapping (not under FSDP, whose hooks expect one forward per backward).
     """
     if share_prompts and mb.shared is not None:
-        logits = _shared_prompt_logits(model, mb)
-    else:
-        T = mb.width
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                    use_cache=False, logits_to_keep=T + 1)
-        logits = out.logits[:, :-1, :]
+        return _shared_prompt_logprobs(model, mb, temperature, with_entropy, entropy_grad)
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                use_cache=False, logits_to_keep=mb.width + 1)
+    return _logprobs(out.logits[:, :-1, :], mb.targets, mb.mask, temperature, with_entropy, entropy_grad)
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float, with_entropy: bool,
+              entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # Columns left of a short row's completion may be padding; keep them finite so masked sums stay clean.
-    logp = torch.where(mb.mask > 0, logp, torch.zeros_like(logp))
+    logp = torch.where(mask > 0, logp, torch.zeros_like(logp))
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = torch.where(mb.mask > 0, -(logp_all.exp() * logp_all).sum(-1), torch.zeros_like(logp))
+            entropy = torch.where(mask > 0, -(logp_all.exp() * logp_all).sum(-1), torch.zeros_like(logp))
     return logp, entropy
 
 
@@ -83,20 +85,36 @@ def shares_prompts(model) -> bool:
     return getattr(cfg, "sliding_window", None) is None or not getattr(cfg, "use_sliding_window", True)
 
 
-def _shared_prompt_logits(model, mb: MicroBatch) -> torch.Tensor:
-    """Logits [b, T, V] predicting each completion token: the distinct prompts first (their cache, selected per row,
-    is differentiable, so the gradients of all a prompt's completions add up in its activations), then each row's
-    prompt-last token and completion on top."""
+def _shared_prompt_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
+    """`token_logprobs` the prompt-once way: the distinct prompts first, then, for each bucket of rows of similar
+    width, the rows' prompt-last token and completion on top of their prompts' keys and values (selected by index,
+    so differentiable: the gradients of all a prompt's completions add up in its activations). Buckets spare the
+    padding of short completions next to long ones."""
     from transformers import DynamicCache
 
-    sp = mb.shared
-    cache = DynamicCache(config=model.config)
-    model(input_ids=sp.ids, attention_mask=sp.attention_mask, position_ids=sp.position_ids, past_key_values=cache,
+    sp, T = mb.shared, mb.width
+    prompts = DynamicCache(config=model.config)
+    model(input_ids=sp.ids, attention_mask=sp.attention_mask, position_ids=sp.position_ids, past_key_values=prompts,
           use_cache=True, logits_to_keep=1)
-    cache.batch_select_indices(sp.of_row)
-    attention = torch.cat([sp.attention_mask[sp.of_row], sp.inputs_mask], dim=1)
-    return model(input_ids=sp.inputs, attention_mask=attention, position_ids=sp.inputs_positions,
-                 past_key_values=cache, use_cache=True).logits
+    parts, order = [], []
+    for rows, width in sp.buckets:
+        of_row, cols = sp.of_row[rows], slice(T - width, T)
+        cache = DynamicCache([(layer.keys[of_row], layer.values[of_row]) for layer in prompts.layers],
+                             config=model.config)
+        attention = torch.cat([sp.attention_mask[of_row], sp.inputs_mask[rows, cols]], dim=1)
+        logits = model(input_ids=sp.inputs[rows, cols], attention_mask=attention,
+                       position_ids=sp.inputs_positions[rows, cols], past_key_values=cache, use_cache=True).logits
+        logp, entropy = _logprobs(logits, mb.targets[rows, cols], mb.mask[rows, cols], temperature, with_entropy,
+                                  entropy_grad)
+        parts.append((logp, entropy))
+        order.append(rows)
+    if len(parts) == 1 and T == sp.buckets[0][1]:  # one bucket of every row in order, as wide as the batch
+        return parts[0]
+    back = torch.argsort(torch.cat(order))  # rows back into the micro-batch's order
+    left = lambda x: torch.nn.functional.pad(x, (T - x.shape[1], 0))  # noqa: E731  right-aligned to T columns
+    logp = torch.cat([left(lp) for lp, _ in parts])[back]
+    entropy = torch.cat([left(e) for _, e in parts])[back] if with_entropy else None
+    return logp, entropy
 
 
 class Policy:

@@ -35,11 +35,15 @@ def _completions() -> list[Completion]:
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_prompt_once_matches_the_full_sequences(kind, temperature):
+@pytest.mark.parametrize("buckets", ["one", "by width"])
+def test_prompt_once_matches_the_full_sequences(kind, temperature, buckets, monkeypatch):
+    monkeypatch.setattr("tandem.train.batch.BUCKET_PASS_TOKENS", 100 if buckets == "one" else 0)
     model = _model(kind)
     comps = _completions()
     (mb,) = make_micro_batches(comps, torch.linspace(-1, 1, len(comps)), 4096, pad_id=0)
     assert mb.shared is not None and mb.shared.ids.shape[0] == 3 and len(mb.rows) == 9
+    # free passes: a bucket per width (1, 2, 3, 4, 5; the empty completion runs with the 1s); else one pass
+    assert [w for _, w in mb.shared.buckets] == ([5] if buckets == "one" else [1, 2, 3, 4, 5])
     mb.mask[4] = 0.0  # a row the loss drops (e.g. truncated) still attends to its own tokens
 
     def run(share: bool):
@@ -97,3 +101,33 @@ def test_packing_by_prompt_keeps_groups_whole():
     for mb in grouped:
         assert all(groups_of(mb).count(g) == 4 for g in set(groups_of(mb)))
         assert mb.shared.ids.shape[0] == 2 and mb.input_ids.numel() <= budget
+
+
+def test_length_buckets_are_the_cheapest_grouping():
+    """Against every way to split rows into groups (each padded to its widest, plus a cost per group)."""
+    import random
+
+    from tandem.train.batch import length_buckets
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        head, rest = items[0], items[1:]
+        for p in partitions(rest):
+            yield [[head]] + p
+            for i in range(len(p)):
+                yield p[:i] + [[head] + p[i]] + p[i + 1:]
+
+    cost = lambda groups, widths, c: sum(len(g) * max(widths[r] for r in g) + c for g in groups)  # noqa: E731
+    rng = random.Random(0)
+    for _ in range(60):
+        widths = [rng.randint(1, 9) for _ in range(rng.randint(1, 7))]
+        c = rng.choice([0, 2, 5, 40])
+        got = length_buckets(widths, c)
+        assert sorted(r for rows, _ in got for r in rows) == list(range(len(widths)))
+        assert all(w == max(widths[r] for r in rows) for rows, w in got)
+        best = min(cost(p, widths, c) for p in partitions(list(range(len(widths)))))
+        assert cost([rows for rows, _ in got], widths, c) == best, (widths, c, got)
+    assert length_buckets([3, 0, 2]) == [([0, 1, 2], 3)]  # an empty completion counts as width 1
+    assert [w for _, w in length_buckets([1] * 50 + [6] * 50)] == [1, 6]  # 250 padded positions saved > one pass
