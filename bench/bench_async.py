@@ -10,11 +10,13 @@ held-out greedy accuracy at the end; then the ratio async / sync (target <= 0.6 
 
 Async can at best hide the shorter side: its step is max(sample, train), against sample + train for sync, so
 the best ratio is max / sum (0.5 when both sides take as long). Three workloads, from trainer-heavy to even:
-  demo  the demo exactly (answers of ~3 tokens, 32 prompts x 8): training ~57% of the sync step, bound ~0.57;
+  demo  the demo exactly (answers of ~3 tokens, 32 prompts x 8): training ~53% of the sync step, bound ~0.53;
   long  the demo model sampling 24 tokens at fixed length (EOS ignored), scored by `arithmetic_digits` (partial
-        credit, diluted by the tokens after the answer): training ~63%, bound ~0.63;
+        credit, diluted by the tokens after the answer): training ~60%, bound ~0.60;
   even  `long` with 8 prompts x 8 per step: a small batch decodes at low efficiency, as long reasoning
         rollouts do, so sampling takes about as long as training (the case async is for), bound ~0.55.
+"Training" is the trainer's own work (`time/step` minus `time/trainer_idle` under sync); both sides also share
+the machine's two cores with the controller and Ray's daemons, so each runs slower when they overlap.
 """
 from __future__ import annotations
 
