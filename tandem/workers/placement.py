@@ -55,7 +55,7 @@ class Synced:
     parts: list[Pending]  # the senders' call first (its stats are reported), then the receivers'
 
     def get(self) -> dict:
-        for receivers in self.parts[1:]:  # first: a sender that died fails them at once, naming the cause
+        for receivers in self.parts[1:]:  # first: they fail at once if a sender dies (the report names the death)
             receivers.get()
         # The senders' seconds: a receiver starts waiting as soon as the sync is queued, before the update ends.
         senders = self.parts[0].get()
