@@ -332,8 +332,6 @@ class Config(Section):
                               "torch.distributed world over the workers' one (seen to hang on CPU); as a server started "
                               "from a worker, its engine failed on the first request; use rollout.engine: hf with "
                               "placement.backend: ray, or vLLM with placement.backend: local")
-        if pl.schedule == "async" and self.algo.dynamic_sampling:
-            raise ConfigError("algo.dynamic_sampling: not supported with placement.schedule: async yet; turn one off")
         if self.eval.k > 1 and self.eval.temperature == 0:
             raise ConfigError("eval.temperature: 0 with eval.k > 1 gives k identical samples; set a temperature > 0")
         return self

@@ -251,6 +251,21 @@ def test_async_sampling_keeps_the_staleness_bound_and_learns(session, demo_path,
         assert summary["eval/accuracy"] > summary["initial_eval/accuracy"] + 0.25, summary
 
 
+def test_async_sampling_with_dynamic_sampling_keeps_the_bound(session, tiny_model, tmp_path):
+    """DAPO's extra sampling rounds take batches sampled ahead: every one still within the staleness bound, and a
+    checkpoint's prompt position counts every round's prompts."""
+    steps, rounds = 4, 3
+    cfg = small_config(tiny_model, tmp_path, f"run.steps={steps}", "run.save_every=0", "placement.mode=split",
+                       "placement.schedule=async", "algo.dynamic_sampling=true", f"algo.max_sampling_rounds={rounds}")
+    train(cfg)
+    rows = [r for r in read_metrics(tmp_path) if r["step"] > 0]
+    assert all(r["async/staleness"] <= 1 for r in rows)
+    used = [int(r["dynamic/rounds"]) for r in rows]
+    assert max(used) > 1  # the extra rounds ran (a random model rarely spreads a group's rewards)
+    state = json.loads((checkpoint.latest(tmp_path / "checkpoints") / "trainer_state.json").read_text())
+    assert state["data"]["index"] == sum(used) * cfg.batch.prompts_per_step
+
+
 TIMING = ("time/", "tokens_per_s", "rollout/tokens_per_s", "memory/")
 
 
