@@ -4,8 +4,8 @@ Left padding puts every sequence's last token in the last column, so the complet
 sit in its last `T` columns (T = longest completion in it): the LM head runs on those columns only, and the
 per-token tensors (targets, masks, logprobs) are [rows, T], right-aligned.
 
-A micro-batch whose rows repeat a prompt (GRPO's groups) also carries the prompt-once layout (`SharedPrompts`):
-the trainer then runs each distinct prompt once instead of once per completion.
+For a trainer that runs each distinct prompt once instead of once per completion, a micro-batch whose rows repeat
+a prompt (GRPO's groups) also carries the prompt-once layout (`SharedPrompts`).
 """
 from __future__ import annotations
 
@@ -88,7 +88,9 @@ def pack(lengths: list[int], budget: int, groups: list[int] | None = None) -> li
     return out
 
 
-def collate(completions: list[Completion], rows: list[int], advantages: torch.Tensor, pad_id: int) -> MicroBatch:
+def collate(completions: list[Completion], rows: list[int], advantages: torch.Tensor, pad_id: int,
+            share_prompts: bool = False) -> MicroBatch:
+    """These rows as one micro-batch; with `share_prompts`, also their prompt-once layout (when a prompt repeats)."""
     prompts = [completions[i].prompt_ids for i in rows]
     outs = [completions[i].completion_ids for i in rows]
     seqs = [p + c for p, c in zip(prompts, outs)]
@@ -100,7 +102,8 @@ def collate(completions: list[Completion], rows: list[int], advantages: torch.Te
                        dtype=torch.float32).view(len(rows), T)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     mb = MicroBatch(rows, ids, attn, pos, targets, mask.float(), slp, advantages[rows].float())
-    mb.shared = _shared_prompts(prompts, outs, T, pad_id)
+    if share_prompts:
+        mb.shared = _shared_prompts(prompts, outs, T, pad_id)
     return mb
 
 
@@ -164,12 +167,13 @@ def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad
 
 def make_micro_batches(completions: list[Completion], advantages: torch.Tensor, budget: int, pad_id: int,
                        subset: list[int] | None = None, by_prompt: bool = False) -> list[MicroBatch]:
-    """`subset` (default all) packed by `budget`; `by_prompt` keeps each prompt's rows together (see `pack`), for a
-    trainer that runs each prompt once."""
+    """`subset` (default all) packed by `budget`; `by_prompt`, for a trainer that runs each prompt once, keeps each
+    prompt's rows together (see `pack`) and lays out their prompt-once layout (`SharedPrompts`)."""
     idx = list(range(len(completions))) if subset is None else subset
     lengths = [len(completions[i].prompt_ids) + len(completions[i].completion_ids) for i in idx]
     groups = [completions[i].prompt_index for i in idx] if by_prompt else None
-    return [collate(completions, [idx[k] for k in g], advantages, pad_id) for g in pack(lengths, budget, groups)]
+    return [collate(completions, [idx[k] for k in g], advantages, pad_id, by_prompt)
+            for g in pack(lengths, budget, groups)]
 
 
 def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:

@@ -40,7 +40,7 @@ def test_prompt_once_matches_the_full_sequences(kind, temperature, buckets, monk
     monkeypatch.setattr("tandem.train.batch.BUCKET_PASS_TOKENS", 100 if buckets == "one" else 0)
     model = _model(kind)
     comps = _completions()
-    (mb,) = make_micro_batches(comps, torch.linspace(-1, 1, len(comps)), 4096, pad_id=0)
+    (mb,) = make_micro_batches(comps, torch.linspace(-1, 1, len(comps)), 4096, pad_id=0, by_prompt=True)
     assert mb.shared is not None and mb.shared.ids.shape[0] == 3 and len(mb.rows) == 9
     # free passes: a bucket per width (1, 2, 3, 4, 5; the empty completion runs with the 1s); else one pass
     assert [w for _, w in mb.shared.buckets] == ([5] if buckets == "one" else [1, 2, 3, 4, 5])
@@ -62,14 +62,14 @@ def test_prompt_once_matches_the_full_sequences(kind, temperature, buckets, monk
 
 def test_no_repeated_prompt_means_no_shared_layout():
     comps = [Completion([5 + i, 6], [7, 8], [0.0, 0.0], "", "stop", i) for i in range(4)]
-    (mb,) = make_micro_batches(comps, torch.zeros(4), 4096, pad_id=0)
+    (mb,) = make_micro_batches(comps, torch.zeros(4), 4096, pad_id=0, by_prompt=True)
     assert mb.shared is None
     comps.append(Completion([5, 6], [9], [0.0], "", "stop", 0))
-    (mb,) = make_micro_batches(comps, torch.zeros(5), 4096, pad_id=0)
+    (mb,) = make_micro_batches(comps, torch.zeros(5), 4096, pad_id=0, by_prompt=True)
     assert mb.shared is not None and mb.shared.of_row.tolist() == [0, 1, 2, 3, 0]
     # a one-token prompt leaves nothing to run once: the plain layout
     comps += [Completion([7], [8], [0.0], "", "stop", 5), Completion([7], [9], [0.0], "", "stop", 5)]
-    (mb,) = make_micro_batches(comps, torch.zeros(7), 4096, pad_id=0)
+    (mb,) = make_micro_batches(comps, torch.zeros(7), 4096, pad_id=0, by_prompt=True)
     assert mb.shared is None
 
 
