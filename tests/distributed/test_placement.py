@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import os
 import signal
 import tempfile
@@ -19,7 +18,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before `impor
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no ~/.ray/auth_token
 pytest.importorskip("ray")
 
-from procs import descendants  # noqa: E402
 
 from tandem import checkpoint  # noqa: E402
 from tandem.config import load_config  # noqa: E402
@@ -130,11 +128,6 @@ def test_colocated_sync_fills_every_engine_with_the_full_policy(session, tiny_mo
         assert all(not torch.equal(before[rank][n], w) for n, w in weights.items())  # every tensor was rewritten
 
 
-def _actor_pids() -> list[int]:
-    """Ray actor processes of this test process's Ray (their title starts with ray::_Host)."""
-    return [pid for pid, cmd in descendants() if cmd.startswith("ray::_Host")]
-
-
 def _actor_pids_by_group(monkeypatch) -> dict[str, list[int]]:
     """Filled when the run's workers are built: each group's actor processes, in rank order."""
     import ray
@@ -154,13 +147,13 @@ def _actor_pids_by_group(monkeypatch) -> dict[str, list[int]]:
     return pids
 
 
-def _kill_after_checkpoint(root: Path, pick) -> threading.Thread:
-    """Once a checkpoint is published, SIGKILL the actor `pick(pids)` chooses (in a background thread)."""
+def _kill_after_checkpoint(root: Path, victim) -> threading.Thread:
+    """Once a checkpoint is published, SIGKILL the process `victim()` names (in a background thread)."""
     def run():
         deadline = time.monotonic() + 300
         while checkpoint.latest(root / "checkpoints") is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(pick(sorted(_actor_pids())), signal.SIGKILL)
+        os.kill(victim(), signal.SIGKILL)
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -176,9 +169,11 @@ def _assert_intact(root: Path, step: int) -> None:
     assert load_file(str(last / "model.safetensors"))
 
 
-def _train_until_killed(cfg, root: Path, error: str) -> None:
-    """Train until a checkpoint exists, SIGKILL the newest actor, and expect a prompt, named stop."""
-    killer = _kill_after_checkpoint(root, lambda pids: pids[-1])
+def _train_until_killed(cfg, root: Path, monkeypatch, group: str, rank: int, error: str) -> None:
+    """Train until a checkpoint exists, SIGKILL worker `rank` of `group` (found by asking each actor: process ids
+    are not in rank order), and expect a prompt stop naming it, with the last checkpoint intact."""
+    pids = _actor_pids_by_group(monkeypatch)
+    killer = _kill_after_checkpoint(root, lambda: pids[group][rank])
     start = time.monotonic()
     with pytest.raises(WorkerError, match=error):
         train(cfg)
@@ -188,16 +183,15 @@ def _train_until_killed(cfg, root: Path, error: str) -> None:
     _assert_intact(root, int(last.name.split("-")[1]))
 
 
-def test_killed_colocated_worker_stops_the_run_by_name(session, tiny_model, tmp_path):
+def test_killed_colocated_worker_stops_the_run_by_name(session, tiny_model, tmp_path, monkeypatch):
     cfg = small_config(tiny_model, tmp_path, "run.steps=200", "run.keep_checkpoints=1", "placement.workers=2")
-    _train_until_killed(cfg, tmp_path, r"worker \d/2 of 'hybrid' died in \w+")
+    _train_until_killed(cfg, tmp_path, monkeypatch, "hybrid", 1, r"worker \d/2 of 'hybrid' died in \w+")
 
 
-def test_killed_sampler_stops_the_run_by_name(session, tiny_model, tmp_path):
-    # actors start in rank order (the trainer, then the samplers): the newest process is a sampler
+def test_killed_sampler_stops_the_run_by_name(session, tiny_model, tmp_path, monkeypatch):
     cfg = small_config(tiny_model, tmp_path, "run.steps=200", "run.keep_checkpoints=1", "placement.mode=split",
                        "placement.rollout_workers=2", "placement.schedule=async")
-    _train_until_killed(cfg, tmp_path, r"worker \d/2 of 'samplers' died in \w+")
+    _train_until_killed(cfg, tmp_path, monkeypatch, "samplers", 1, r"worker \d/2 of 'samplers' died in \w+")
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])
@@ -206,16 +200,7 @@ def test_killed_trainer_stops_a_split_run_by_name(session, tiny_model, tmp_path,
     naming the trainer."""
     cfg = small_config(tiny_model, tmp_path, "run.steps=200", "run.keep_checkpoints=1", "placement.mode=split",
                        f"placement.schedule={schedule}")
-    pids = _actor_pids_by_group(monkeypatch)
-    killer = _kill_after_checkpoint(tmp_path, lambda _: pids["trainers"][0])
-    start = time.monotonic()
-    with pytest.raises(WorkerError) as err:
-        train(cfg)
-    assert time.monotonic() - start < 240
-    killer.join(1)
-    assert re.search(r"worker 0/1 of 'trainers' died in \w+", str(err.value)), str(err.value)
-    last = checkpoint.latest(tmp_path / "checkpoints")
-    _assert_intact(tmp_path, int(last.name.split("-")[1]))
+    _train_until_killed(cfg, tmp_path, monkeypatch, "trainers", 0, r"worker 0/1 of 'trainers' died in \w+")
 
 
 def read_metrics(out: Path) -> list[dict]:
