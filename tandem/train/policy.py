@@ -108,7 +108,7 @@ def _shared_prompt_logprobs(model, mb: MicroBatch, temperature: float, with_entr
                                   entropy_grad)
         parts.append((logp, entropy))
         order.append(rows)
-    if len(parts) == 1 and T == sp.buckets[0][1]:  # one bucket of every row in order, as wide as the batch
+    if len(parts) == 1:  # every row, in order, as wide as the batch (T is the widest row)
         return parts[0]
     back = torch.argsort(torch.cat(order))  # rows back into the micro-batch's order
     left = lambda x: torch.nn.functional.pad(x, (T - x.shape[1], 0))  # noqa: E731  right-aligned to T columns
