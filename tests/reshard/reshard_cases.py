@@ -52,6 +52,13 @@ def layout_cases() -> dict[str, tuple[ModelLayout, ModelLayout, dict]]:
         "flat_zero4_bf16_to_replicas_streamed_p2p": (build_layout(DENSE.params(torch.bfloat16), Mesh.of(dp=4), Spec(zero="flat")),
                                                      replicated_layout(DENSE.params(torch.bfloat16), range(4)),
                                                      {"bucket_bytes": 1024, "stream": True, "shared_memory": False}),
+        # sources that are strided views (the left half of tensors twice as wide) into a destination of another dtype
+        "dp1tp2pp2_to_dp2tp2_strided_sources_cast": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)),
+                                                     build_layout(DENSE.params(torch.float64), dp2tp2, DENSE.spec()),
+                                                     {"strided": True}),
+        "dp1tp2pp2_to_dp2tp2_strided_sources_cast_p2p": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)),
+                                                         build_layout(DENSE.params(torch.float64), dp2tp2, DENSE.spec()),
+                                                         {"strided": True, "shared_memory": False}),
         "tp2pp2_to_replicas_into_out": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)), replicated_layout(p, range(4)), {"out": True}),
     }
     return cases
@@ -64,6 +71,8 @@ def _assigned(src: ModelLayout, dst: ModelLayout) -> ModelLayout:
 def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -> str:
     full = full_model(src)
     mine = {n: local_tensor(pl, rank, full[n]) for n, pl in src.items() if rank in pl.shards}
+    if opts.get("strided"):  # each source a strided view: the left half of a tensor twice as wide
+        mine = {n: torch.cat([t, torch.full_like(t, float("nan"))], dim=-1)[..., : t.shape[-1]] for n, t in mine.items()}
     p = plan(src, dst)
     if p.bytes_moved != p.lower_bound:
         return f"moved {p.bytes_moved} != lower bound {p.lower_bound}"
@@ -84,7 +93,7 @@ def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -
             return f"streaming yielded {batches} batch(es)"
     else:
         got = reshard(p, rank, mine, out=out, **kwargs)
-    want = {n: local_tensor(pl, rank, full[n]) for n, pl in dst.items() if rank in pl.shards}
+    want = {n: local_tensor(pl, rank, full[n]).to(pl.dtype) for n, pl in dst.items() if rank in pl.shards}
     mine_remote = {(m.src, m.dst) for m in p.moves if m.src != m.dst and rank in (m.src, m.dst)}
     shared = p.cache.get(("shared", kwargs.get("bucket_bytes", 64 << 20), rank))
     if kwargs["shared_memory"] and (shared is None or shared.pairs != mine_remote):
