@@ -13,7 +13,10 @@ script exits non-zero if any check failed. What it checks:
      bit-identical to one that never offloaded.
   3. vllm-sleep: vLLM generates, sleeps (level 1) and must free at least its weights and KV cache
      (`torch.cuda.mem_get_info`), wakes, takes new weights through tandem's sync path and generates the same.
-  4. memory: bench/bench_memory.py on CUDA (`torch.cuda.max_memory_allocated` per phase), GRPO peak / SFT peak.
+  4. train: the real loop (`tandem.trainer.train`, local backend, embedded engine) for 3 steps on the GPU it
+     finds by itself: the policy, reference and engine weights must be on CUDA, the metrics finite, a checkpoint
+     written; the same run with `CUDA_VISIBLE_DEVICES=""` must stay on the CPU.
+  5. memory: bench/bench_memory.py on CUDA (`torch.cuda.max_memory_allocated` per phase), GRPO peak / SFT peak.
 """
 from __future__ import annotations
 
@@ -62,11 +65,7 @@ def _grpo_batch(policy):
     g = torch.Generator().manual_seed(0)
     comps = [Completion(torch.randint(5, 200, (6,), generator=g).tolist(), torch.randint(5, 200, (5,), generator=g).tolist(),
                         (-torch.rand(5, generator=g)).tolist(), "", "stop", i // 4) for i in range(16)]
-    mbs = make_micro_batches(comps, torch.randn(16, generator=g), 4096, 0)
-    for mb in mbs:
-        for k in ("input_ids", "attention_mask", "position_ids", "targets", "mask", "sampler_logprobs", "advantages"):
-            setattr(mb, k, getattr(mb, k).cuda())
-    return [mbs]
+    return [make_micro_batches(comps, torch.randn(16, generator=g), 4096, 0)]  # host tensors: the policy moves them
 
 
 def _policy(model: Path, mesh=None):
@@ -177,6 +176,45 @@ def check_memory() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+@check("train")
+def check_train(model: Path) -> str:
+    import json
+
+    from tandem.config import load_config
+    from tandem.trainer import train
+    from tandem.workers import placement
+
+    out = Path(tempfile.mkdtemp()) / "run"
+    cfg = load_config(None, [
+        f"model.path={model}", f"run.output_dir={out}", "run.steps=3", "run.save_every=3", "run.progress=false",
+        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
+        "rollout.max_new_tokens=8", "data.max_prompt_tokens=8", "data.eval_size=8", "algo.kl_coef=0.04",
+        "rewards=[{name: arithmetic_exact}]"])
+    devices = {}
+    build = placement.build
+
+    def spying_build(c):  # the one worker of the local backend, to read where its tensors live
+        p = build(c)
+        w = p.groups[0].workers[0]
+        devices.update(policy=w.policy.device.type, ref=next(w.policy.ref.parameters()).device.type,
+                       engine=w.engine.device.type)
+        return p
+
+    placement.build = spying_build
+    try:
+        train(cfg)
+    finally:
+        placement.build = build
+    assert set(devices.values()) == {"cuda"}, devices
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and all(v == v for r in rows for v in r.values() if isinstance(v, float)), rows[-1]
+    assert (out / "checkpoints" / "step-00000003").is_dir()
+    cpu = subprocess.run([sys.executable, "-c", "from tandem.workers.group import local_device; print(local_device())"],
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, cwd=ROOT)
+    assert cpu.stdout.strip() == "cpu", cpu.stdout + cpu.stderr
+    return f"3 steps on {devices}, loss {rows[-1].get('loss')}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-vllm", action="store_true")
@@ -190,6 +228,7 @@ def main() -> None:
     model = tiny(Path(tempfile.mkdtemp()) / "tiny")
     check_nccl(model)
     check_offload(model)
+    check_train(model)
     if not args.skip_vllm:
         check_vllm(model)
     if not args.skip_memory:

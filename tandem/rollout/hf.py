@@ -37,10 +37,13 @@ class HFEngine:
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
-                 model=None, tokenizer=None):
+                 model=None, tokenizer=None, device: str | None = None):
         self.tokenizer = tokenizer or load_tokenizer(model_path, trust_remote_code)
         self.model = model if model is not None else load_causal_lm(model_path, dtype, trust_remote_code)
+        if device is not None:
+            self.model.to(device)
         self.model.eval().requires_grad_(False)
+        self.device = next(self.model.parameters()).device
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.seed = seed
@@ -62,13 +65,15 @@ class HFEngine:
         n = sampling.n
         rows = [p for p in prompts for _ in range(n)]
         B = len(rows)
-        gen = torch.Generator().manual_seed(self.seed if sampling.seed is None else sampling.seed)
+        dev = self.device
+        gen = torch.Generator(device=dev).manual_seed(self.seed if sampling.seed is None else sampling.seed)
         plen = max(len(p) for p in rows)
         ids = torch.full((B, plen), self.pad_id, dtype=torch.long)
         attn = torch.zeros((B, plen), dtype=torch.long)
         for i, p in enumerate(rows):
             ids[i, plen - len(p):] = torch.tensor(p)
             attn[i, plen - len(p):] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
 
         from transformers import DynamicCache
@@ -86,9 +91,9 @@ class HFEngine:
         del out
 
         stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))),
-                                dtype=torch.long)
-        finished = torch.zeros(B, dtype=torch.bool)
-        lengths = torch.zeros(B, dtype=torch.long)
+                                dtype=torch.long, device=dev)
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        lengths = torch.zeros(B, dtype=torch.long, device=dev)
         tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
         texts: list[str | None] = [None] * B
@@ -109,14 +114,14 @@ class HFEngine:
             lengths += (~finished).long()
             hit = torch.isin(tok, stop_ids) & ~finished
             if sampling.stop:
-                hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts)
+                hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts).to(dev)
             finished |= hit
             if bool(finished.all()):
                 break
             if decoder is not None:
                 logits = decoder.step(tok, next_pos)
             else:
-                attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=-1)
+                attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=-1)
                 out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                                  past_key_values=cache, use_cache=True)
                 logits = out.logits[:, -1, :]
@@ -124,14 +129,15 @@ class HFEngine:
 
         tok_mat = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in range(B)]
         lp_mat = torch.stack(logps, 1).tolist() if logps else [[] for _ in range(B)]
+        lengths, finished = lengths.tolist(), finished.tolist()
         results = []
         for i in range(B):
-            L = int(lengths[i])
+            L = lengths[i]
             cids = tok_mat[i][:L]
             text = texts[i] if texts[i] is not None else self.tokenizer.decode(cids, skip_special_tokens=True)
             results.append(Completion(
                 prompt_ids=list(rows[i]), completion_ids=cids, logprobs=lp_mat[i][:L], text=text,
-                finish_reason="stop" if bool(finished[i]) else "length", prompt_index=i // n,
+                finish_reason="stop" if finished[i] else "length", prompt_index=i // n,
             ))
         return results
 

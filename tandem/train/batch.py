@@ -9,7 +9,7 @@ a prompt (GRPO's groups) also carries the prompt-once layout (`SharedPrompts`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -34,6 +34,14 @@ class SharedPrompts:
     inputs_positions: torch.Tensor  # [b, T]
     buckets: list[tuple[torch.Tensor, int]]  # rows run together and their width: the last `width` columns suffice
 
+    def to(self, device: torch.device) -> "SharedPrompts":
+        """Every tensor moved to `device`, in place (no copy where they already are)."""
+        for f in fields(self):
+            if f.name != "buckets":
+                setattr(self, f.name, getattr(self, f.name).to(device))
+        self.buckets = [(rows.to(device), width) for rows, width in self.buckets]
+        return self
+
 
 @dataclass
 class MicroBatch:
@@ -52,6 +60,15 @@ class MicroBatch:
     @property
     def width(self) -> int:
         return self.targets.shape[1]
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        """Every tensor moved to `device`, in place (no copy where they already are): batches are laid out on
+        the host, the policy runs on its device."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if torch.is_tensor(value) or isinstance(value, SharedPrompts):
+                setattr(self, f.name, value.to(device))
+        return self
 
     @property
     def tokens(self) -> int:

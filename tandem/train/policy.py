@@ -255,6 +255,7 @@ class Policy:
         local = [mb for mbs in mini_batches for mb in mbs]
         (n,) = self._pad_counts([len(local)])
         for mb in self._padded(local, n):
+            mb.to(self.device)
             if self.sampler_is_old:
                 mb.old_logprobs = mb.sampler_logprobs  # first-pass stats come from the update's first forward
             elif old:
@@ -308,6 +309,7 @@ class Policy:
                 total_tokens, total_seqs = int(totals[j, 0]), int(totals[j, 1])
                 step_loss = 0.0
                 for mb in self._padded(mbs, passes_per_mini[j]):
+                    mb.to(self.device)  # the advantages arrived after prepare moved the rest
                     first_pass = on_policy or (self.sampler_is_old and epoch == 0)
                     need_entropy = first_pass or a.entropy_coef > 0
                     logp, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=need_entropy,

@@ -80,6 +80,14 @@ class WorkerGroup(Protocol):
         ...
 
 
+def local_device() -> str:
+    """The device of the local backend's one worker: the visible GPU when there is one (CUDA_VISIBLE_DEVICES=""
+    keeps a run on the CPU), else the CPU. Ray workers get theirs from placement.gpus_per_worker."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class LocalWorkerGroup:
     """Workers as plain objects in this process (the embedded default is this with size 1)."""
 
@@ -87,7 +95,7 @@ class LocalWorkerGroup:
         if size != 1:
             raise ValueError("the local backend runs one worker; use placement.backend: ray for more")
         self.size = size
-        self.workers = [factory(WorkerContext(name=name, group_ranks={name: [0]}))]
+        self.workers = [factory(WorkerContext(name=name, group_ranks={name: [0]}, device=local_device()))]
 
     def _run(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
         try:

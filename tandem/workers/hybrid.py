@@ -31,7 +31,7 @@ class HybridWorker(TrainWorker):
 
     def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
         super().__init__(cfg, ctx)
-        name, kwargs = engine_args(cfg)
+        name, kwargs = engine_args(cfg, self.ctx.device)
         self.engine = make_engine(name, **kwargs)
         pl = cfg.placement
         self.offload = pl.offload is True or (pl.offload == "auto" and self.ctx.device != "cpu")

@@ -448,7 +448,8 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
     """Start several worker groups that share one torch.distributed world.
 
     Global ranks run group after group (trainers 0..T-1, then samplers T..T+R-1). `backend`: "auto" (gloo on
-    CPU, nccl on GPU, both when mixed), a torch.distributed backend name, or None for no process group. Each
+    CPU; with GPUs nccl for CUDA tensors and gloo for host ones: the trainer reduces its counts and stats, and
+    the resharding handshake runs, on host tensors), a torch.distributed backend name, or None for no process group. Each
     group's `ctx.group` is its own subgroup (the WORLD group when there is one group). Ray: `address` joins a
     running cluster; otherwise a local one is started on 127.0.0.1 (`num_cpus` defaults to what the groups
     ask for) and shut down with the last group. A failure anywhere kills every actor of every group started here.
@@ -463,7 +464,7 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
         raise ValueError(f"start_groups needs groups with distinct names and sizes ≥ 1, got {specs}")
     if backend == "auto":
         gpu = [s.gpus_per_worker > 0 for s in specs]
-        backend = "nccl" if all(gpu) else "gloo" if not any(gpu) else "cpu:gloo,cuda:nccl"
+        backend = "gloo" if not any(gpu) else "cpu:gloo,cuda:nccl"
     if num_cpus is None:
         num_cpus = sum(s.size * s.cpus_per_worker for s in specs)
     owns = _acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)

@@ -25,11 +25,12 @@ class Generated:
     stats: dict = field(default_factory=dict)
 
 
-def engine_args(cfg: Config) -> tuple[str, dict]:
-    """The engine's name and constructor arguments from the config."""
+def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
+    """The engine's name and constructor arguments from the config; `device` is the worker's (vLLM picks its own)."""
     m, r = cfg.model, cfg.rollout
     if r.engine == "hf":
-        return "hf", dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, trust_remote_code=m.trust_remote_code)
+        return "hf", dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, trust_remote_code=m.trust_remote_code,
+                          device=device)
     v = r.vllm
     kwargs = dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, max_model_len=v.max_model_len or None,
                   kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,
@@ -51,7 +52,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
         self.cfg, self.ctx = cfg, ctx or WorkerContext()
-        name, kwargs = engine_args(cfg)
+        name, kwargs = engine_args(cfg, self.ctx.device)
         self.engine = make_engine(name, **kwargs)
         self.version = 0
         self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
@@ -91,7 +92,8 @@ class RolloutWorker:
 
         start = time.perf_counter()
         try:
-            out = reshard(self._plan, self.ctx.global_rank, {}, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
+            out = reshard(self._plan, self.ctx.global_rank, {}, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20,
+                          device=self.ctx.device)  # a receive-only rank names where its tensors land
         except BaseException as exc:  # a generate waiting for these weights must not wait forever
             with self._arrived:
                 self._failed = exc

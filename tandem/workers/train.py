@@ -42,6 +42,7 @@ class TrainWorker:
         torch.manual_seed(cfg.run.seed)
         self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
                              cfg.rollout.temperature, cfg.rollout.max_new_tokens, mesh=self.mesh,
+                             device=None if self.ctx.device == "cpu" else self.ctx.device,
                              stale_samples=cfg.placement.schedule == "async")
         self._mini: list[list[MicroBatch]] = []
         self._last_end = time.perf_counter()  # when this worker last finished a step's work (its sync)

@@ -131,3 +131,20 @@ def test_length_buckets_are_the_cheapest_grouping():
         assert cost([rows for rows, _ in got], widths, c) == best, (widths, c, got)
     assert length_buckets([3, 0, 2]) == [([0, 1, 2], 3)]  # an empty completion counts as width 1
     assert [w for _, w in length_buckets([1] * 50 + [6] * 50)] == [1, 6]  # 250 padded positions saved > one pass
+
+
+def test_a_micro_batch_moves_every_tensor_to_the_policys_device():
+    """Batches are laid out on the host and the policy moves them to its device: every tensor field, the prompt-once
+    layout's and its buckets' included (the meta device stands in for a GPU: nothing may stay behind on the CPU)."""
+    from dataclasses import fields
+
+    (mb,) = make_micro_batches(_completions(), torch.zeros(9), 4096, pad_id=0, by_prompt=True)
+    mb.old_logprobs, mb.ref_logprobs = torch.zeros_like(mb.mask, dtype=torch.float), None
+    host_ptr = mb.targets.data_ptr()
+    assert mb.to(torch.device("cpu")).targets.data_ptr() == host_ptr  # already there: no copy
+    mb.to(torch.device("meta"))
+    tensors = [getattr(mb, f.name) for f in fields(mb)] + [getattr(mb.shared, f.name) for f in fields(mb.shared)]
+    tensors += [rows for rows, _ in mb.shared.buckets]
+    tensors = [t for t in tensors if torch.is_tensor(t)]
+    assert len(tensors) >= 16 and all(t.device.type == "meta" for t in tensors)
+    assert mb.ref_logprobs is None and isinstance(mb.rows, list)
