@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 import torch
@@ -158,12 +158,66 @@ def _offsets(moves: list[Move]) -> tuple[dict[int, int], dict[int, int]]:
     return out, used
 
 
-def _view(piece_tensor_view: torch.Tensor, piece_box: Box, box: Box) -> torch.Tensor:
-    return piece_tensor_view[slices(shift(box, [a for a, _ in piece_box]))]
+class _Cut:
+    """How to take a move's box out of a rank's local tensor, with the slices worked out once per plan: the
+    executor runs every step, and building views from boxes in Python cost more than the copies on small models."""
+
+    __slots__ = ("outer", "shape", "inner")
+
+    def __init__(self, piece, box: Box):
+        self.outer = slices(piece.local)
+        self.shape = extents(piece.box) if len(piece.local) != len(piece.box) else None  # a flat (ZeRO) piece
+        self.inner = slices(shift(box, [a for a, _ in piece.box]))
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        part = t[self.outer]
+        return (part if self.shape is None else part.view(self.shape))[self.inner]
 
 
-def _src_view(move: Move, src_tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return _view(move.src_piece.view(src_tensors[move.name]), move.src_piece.box, move.box)
+@dataclass
+class _RankRound:
+    """One round of the plan as one rank runs it (precomputed once per plan, rank and transport)."""
+    p2p: list[tuple[Move, int, _Cut, bool]] = field(default_factory=list)  # (move, tag, cut, this rank sends)
+    writes: list[tuple[Move, int, _Cut]] = field(default_factory=list)  # into this rank's segment, at offset
+    reads: list[tuple[Move, int, _Cut]] = field(default_factory=list)  # out of the sender's segment, at offset
+    local: list[tuple[str, _Cut, _Cut]] = field(default_factory=list)  # (name, source cut, destination cut)
+    notes_out: list[int] = field(default_factory=list)  # peers this rank wrote for
+    notes_in: list[int] = field(default_factory=list)  # peers this rank reads from
+    landed: list[tuple[str, int]] = field(default_factory=list)  # destination elements completed, per tensor
+
+
+def _rank_rounds(all_rounds: list[list[Move]], rank: int, shared: _Shared) -> list[_RankRound]:
+    """This rank's part of every round. p2p messages are tagged by their place among their pair's messages in
+    the round (both sides count alike); a slice going to several ranks through the segment is written once."""
+    out = []
+    for k, moves in enumerate(all_rounds):
+        rr, count, written = _RankRound(), defaultdict(int), set()
+        offsets = shared.offsets[k] if shared.pairs else {}
+        notes_out, notes_in = set(), set()
+        for i, m in enumerate(moves):
+            if rank not in (m.src, m.dst):
+                continue
+            if m.dst == rank:
+                rr.landed.append((m.name, numel(m.box)))
+            if m.src == m.dst:
+                rr.local.append((m.name, _Cut(m.src_piece, m.box), _Cut(m.dst_piece, m.box)))
+            elif (m.src, m.dst) in shared.pairs:
+                if m.src == rank:
+                    if offsets[i] not in written:
+                        rr.writes.append((m, offsets[i], _Cut(m.src_piece, m.box)))
+                        written.add(offsets[i])
+                    notes_out.add(m.dst)
+                else:
+                    rr.reads.append((m, offsets[i], _Cut(m.dst_piece, m.box)))
+                    notes_in.add(m.src)
+            else:
+                tag = count[(m.src, m.dst)]
+                count[(m.src, m.dst)] += 1
+                sending = m.src == rank
+                rr.p2p.append((m, tag, _Cut(m.src_piece if sending else m.dst_piece, m.box), sending))
+        rr.notes_out, rr.notes_in = sorted(notes_out), sorted(notes_in)
+        out.append(rr)
+    return out
 
 
 def _to_local(t: torch.Tensor) -> torch.Tensor:
@@ -200,13 +254,17 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
     for name, shape in mine.items():
         if name in out and tuple(out[name].shape) != tuple(shape):
             raise ValueError(f"out[{name!r}] has shape {tuple(out[name].shape)}, the plan needs {shape}")
-    for name in {m.name for m in plan.moves if m.src == rank}:
+    if ("rank", rank) not in plan.cache:  # the names this rank sends, and the elements each destination awaits
+        arriving = {name: 0 for name in mine}
+        for m in plan.moves:
+            if m.dst == rank:
+                arriving[m.name] += numel(m.box)
+        plan.cache[("rank", rank)] = ({m.name for m in plan.moves if m.src == rank}, arriving)
+    sends, arriving = plan.cache[("rank", rank)]
+    for name in sends:
         if name not in src_tensors:
             raise KeyError(f"rank {rank} holds source {name!r} in the plan but was not given it")
-    waiting = {name: 0 for name in mine}  # destination elements still to arrive, per tensor
-    for m in plan.moves:
-        if m.dst == rank:
-            waiting[m.name] += numel(m.box)
+    waiting = dict(arriving)  # destination elements still to arrive, per tensor
     done: list[tuple[str, torch.Tensor]] = []
 
     def dest(name: str) -> torch.Tensor:
@@ -232,81 +290,61 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
     if shared_memory and key not in plan.cache:
         plan.cache[key] = _share(all_rounds, rank, group, global_rank, torch.device(device))
     shared = plan.cache[key] if shared_memory else _Shared(None, {}, set(), [])
+    key = ("steps", bucket_bytes, rank, shared_memory)
+    if key not in plan.cache:
+        plan.cache[key] = _rank_rounds(all_rounds, rank, shared)
     # reused by every round: faulting in fresh pages costs about as much as the copy itself
     stage = torch.empty(0, dtype=torch.uint8, device=device)
-    for k, moves in enumerate(all_rounds):
-        # p2p: one message per move, tagged by its place among this pair's messages in the round (both sides count
-        # the same way). A contiguous source view is sent as is and a contiguous destination view of the same dtype
-        # receives in place; only the rest go through the staging buffer, packed before and unpacked after.
-        # Shared memory: the sender writes its slices into its segment and sends a "written" note; the receiver
-        # copies them out and answers "read", after which the sender may reuse the segment.
-        ours: list[tuple[Move, int, torch.Tensor, bool]] = []  # (move, tag, this side's view, sent/received as is)
-        count: dict[tuple[int, int], int] = defaultdict(int)
-        offsets = shared.offsets[k] if shared.pairs else {}
-        written: set[int] = set()  # offsets this rank has filled this round (a replicated slice is written once)
-        reads: list[tuple[Move, int, torch.Tensor]] = []
-        notes_out, notes_in = set(), set()  # peers this rank wrote for / reads from, this round
-        for i, m in enumerate(moves):
-            if m.src == m.dst or rank not in (m.src, m.dst):
-                continue
-            if (m.src, m.dst) in shared.pairs:
-                if m.src == rank:
-                    if offsets[i] not in written:
-                        dtype = plan.params[m.name][1]
-                        seg = shared.mine[offsets[i]:offsets[i] + m.nbytes].view(dtype).view(extents(m.box))
-                        seg.copy_(_src_view(m, src_tensors))
-                        written.add(offsets[i])
-                    notes_out.add(m.dst)
-                else:
-                    reads.append((m, offsets[i], _view(m.dst_piece.view(dest(m.name)), m.dst_piece.box, m.box)))
-                    notes_in.add(m.src)
-                continue
-            tag = count[(m.src, m.dst)]
-            count[(m.src, m.dst)] += 1
-            if m.src == rank:
-                view = _src_view(m, src_tensors)
-                ours.append((m, tag, view, view.is_contiguous()))
-            else:
-                view = _view(m.dst_piece.view(dest(m.name)), m.dst_piece.box, m.box)
-                ours.append((m, tag, view, view.is_contiguous() and view.dtype == plan.params[m.name][1]))
-        need = sum(_aligned(m.nbytes) for m, _, _, direct in ours if not direct)  # <= bucket_bytes by the rounds
+    for rr in plan.cache[key]:
+        # p2p: one message per move. A contiguous source view is sent as is and a contiguous destination view of
+        # the same dtype receives in place; only the rest go through the staging buffer, packed before and
+        # unpacked after. Shared memory: the sender writes its slices into its segment and sends a "written" note;
+        # the receiver copies them out and answers "read", after which the sender may reuse the segment.
+        ours: list[tuple[Move, int, torch.Tensor, bool, bool]] = []  # (move, tag, view, as is, this rank sends)
+        for m, tag, cut, sending in rr.p2p:
+            view = cut(src_tensors[m.name] if sending else dest(m.name))
+            direct = view.is_contiguous() and (sending or view.dtype == plan.params[m.name][1])
+            ours.append((m, tag, view, direct, sending))
+        for m, off, cut in rr.writes:
+            seg = shared.mine[off:off + m.nbytes].view(plan.params[m.name][1]).view(extents(m.box))
+            seg.copy_(cut(src_tensors[m.name]))
+        need = sum(_aligned(m.nbytes) for m, _, _, direct, _ in ours if not direct)  # <= bucket_bytes by the rounds
         if need > stage.numel():
             stage = torch.empty(0, dtype=torch.uint8, device=device)  # free the old one first: never two at once
             stage = torch.empty(need, dtype=torch.uint8, device=device)
         ops, unpack, used = [], [], 0
-        for m, tag, view, direct in ours:
+        for m, tag, view, direct, sending in ours:
             if direct:
                 payload = view.reshape(-1).view(torch.uint8)
             else:
                 payload = stage[used:used + m.nbytes]
                 used += _aligned(m.nbytes)
                 typed = payload.view(plan.params[m.name][1]).view(extents(m.box))
-                if m.src == rank:
+                if sending:
                     typed.copy_(view)
                 else:
                     unpack.append((view, typed))
-            op, peer = (dist.isend, m.dst) if m.src == rank else (dist.irecv, m.src)
+            op, peer = (dist.isend, m.dst) if sending else (dist.irecv, m.src)
             ops.append(dist.P2POp(op, payload, global_rank(peer), group, tag))
         note = torch.zeros(1, dtype=torch.uint8)
-        ops += [dist.P2POp(dist.isend, note, global_rank(d), group, _TAG_WRITTEN) for d in sorted(notes_out)]
+        ops += [dist.P2POp(dist.isend, note, global_rank(d), group, _TAG_WRITTEN) for d in rr.notes_out]
         ops += [dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8), global_rank(s), group, _TAG_WRITTEN)
-                for s in sorted(notes_in)]
+                for s in rr.notes_in]
         pending = dist.batch_isend_irecv(ops) if ops else []
-        for m in moves:  # local copies, while the peers' bytes are on their way
-            if m.src == m.dst == rank:
-                _view(m.dst_piece.view(dest(m.name)), m.dst_piece.box, m.box).copy_(_src_view(m, src_tensors))
+        for name, src_cut, dst_cut in rr.local:  # local copies, while the peers' bytes are on their way
+            dst_cut(dest(name)).copy_(src_cut(src_tensors[name]))
         for req in pending:
             req.wait()
         for view, typed in unpack:
             view.copy_(typed)
-        for m, off, view in reads:
-            view.copy_(shared.peers[m.src][off:off + m.nbytes].view(plan.params[m.name][1]).view(extents(m.box)))
-        _p2p([dist.P2POp(dist.isend, note, global_rank(s), group, _TAG_READ) for s in sorted(notes_in)]
+        for m, off, cut in rr.reads:
+            cut(dest(m.name)).copy_(shared.peers[m.src][off:off + m.nbytes].view(plan.params[m.name][1])
+                                    .view(extents(m.box)))
+        _p2p([dist.P2POp(dist.isend, note, global_rank(s), group, _TAG_READ) for s in rr.notes_in]
              + [dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8), global_rank(d), group, _TAG_READ)
-                for d in sorted(notes_out)])
-        for m in moves:  # count what landed
-            if m.dst == rank:
-                landed(m.name, numel(m.box))
+                for d in rr.notes_out])
+        for name, count in rr.landed:
+            landed(name, count)
         if done:
             yield done
             done = []
