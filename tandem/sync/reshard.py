@@ -160,7 +160,7 @@ def _offsets(moves: list[Move]) -> tuple[dict[int, int], dict[int, int]]:
 
 class _Cut:
     """How to take a move's box out of a rank's local tensor, with the slices worked out once per plan: the
-    executor runs every step, and building views from boxes in Python cost more than the copies on small models."""
+    executor runs every step, and building views from boxes in Python cost about as much as the copies did."""
 
     __slots__ = ("outer", "shape", "inner")
 
