@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict, deque
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,7 +318,13 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
 
         queued: Launched | None = None  # a step whose update may still be running on the workers
         for step in range(run.start_step + 1, r.steps + 1):
-            launched = grpo_step(run, step)  # this step's samples were scored while `queued` trained
+            try:
+                launched = grpo_step(run, step)  # this step's samples were scored while `queued` trained
+            except BaseException:
+                if queued is not None:  # its update ran (or failed too): its metrics are not lost with this step
+                    with suppress(Exception):
+                        conclude(queued)
+                raise
             if queued is not None:
                 conclude(queued)
             queued = launched

@@ -171,3 +171,22 @@ def test_offload_changes_residency_not_results(tiny_model, tmp_path):
     # sampling: only the engine's weights (+ nothing of the policy); kept: policy, reference, engine all resident
     assert last_on["memory/generate_bytes"] < last_off["memory/generate_bytes"] / 2
     assert last_on["memory/update_bytes"] < last_off["memory/update_bytes"]
+
+
+def test_a_failed_step_still_logs_the_step_queued_before_it(tiny_model, tmp_path, monkeypatch):
+    """Step 2's update is still queued when step 3's sampling fails: step 2 trained, so its metrics line is
+    written before the error propagates (it would otherwise be lost with the run)."""
+    from tandem import trainer
+
+    real = trainer.collect
+
+    def failing(run, step, t):
+        if step == 3:
+            raise RuntimeError("sampler lost")
+        return real(run, step, t)
+
+    monkeypatch.setattr(trainer, "collect", failing)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="sampler lost"):
+        train(small_config(tiny_model, out, "run.save_every=0", "run.eval_every=0"))
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
