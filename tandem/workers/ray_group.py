@@ -448,8 +448,8 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
     """Start several worker groups that share one torch.distributed world.
 
     Global ranks run group after group (trainers 0..T-1, then samplers T..T+R-1). `backend`: "auto" (gloo on
-    CPU; with GPUs nccl for CUDA tensors and gloo for host ones: the trainer reduces its counts and stats, and
-    the resharding handshake runs, on host tensors), a torch.distributed backend name, or None for no process group. Each
+    CPU; with GPUs nccl for CUDA tensors and gloo for host ones, on which the trainer reduces its counts and stats
+    and the resharding handshake runs), a torch.distributed backend name, or None for no process group. Each
     group's `ctx.group` is its own subgroup (the WORLD group when there is one group). Ray: `address` joins a
     running cluster; otherwise a local one is started on 127.0.0.1 (`num_cpus` defaults to what the groups
     ask for) and shut down with the last group. A failure anywhere kills every actor of every group started here.
