@@ -304,12 +304,18 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             log.info("step 0 eval: %s", _fmt(first))
         bar = _progress(r.progress, run.start_step, r.steps)
 
+        def evaluates(step: int) -> bool:
+            return _every(r.eval_every, step) or step == r.steps
+
+        def saves(step: int) -> bool:
+            return _every(r.save_every, step) or step == r.steps
+
         def conclude(s: Launched) -> None:
             m = finish(run, s)
-            if _every(r.eval_every, s.step) or s.step == r.steps:
+            if evaluates(s.step):
                 m.update(run_eval(run))
             metrics.log(s.step, m)
-            if _every(r.save_every, s.step) or s.step == r.steps:
+            if saves(s.step):
                 save(run, s.step)
             if bar is not None:
                 bar.update(1)
@@ -328,7 +334,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             if queued is not None:
                 conclude(queued)
             queued = launched
-            if _every(r.eval_every, step) or _every(r.save_every, step) or step == r.steps:
+            if evaluates(step) or saves(step):
                 conclude(queued)  # evaluation and checkpoints see this step's update, and nothing queued after it
                 queued = None
         if bar is not None:
