@@ -62,14 +62,26 @@ class DataConfig(Section):
     )
     path: str = Field("", description="Training data: a .jsonl/.parquet file or a `datasets` folder (for gsm8k: train.jsonl).")
     eval_path: str = Field("", description="Held-out data in the same format; empty = the task's own held-out split.")
-    prompt_field: str = Field("question", description="Row field holding the prompt text.")
+    prompt_field: str = Field(
+        "question", description="Row field holding the prompt: text, or chat messages (a list of `{role, content}`) "
+        "that are rendered with the tokenizer's chat template whatever `chat_template` says.",
+    )
     answer_field: str = Field("answer", description="Row field holding the reference answer.")
     chat_template: bool = Field(
         False, description="Wrap prompts in the tokenizer's chat template (an error if it has none). "
         "Instruct models want it; the demo model has none.",
     )
-    system_prompt: str = Field("", description="System message when chat_template is on.")
-    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are refused with their row number.")
+    system_prompt: str = Field(
+        "", description="System message when chat_template is on, or when chat-message prompts have none of their own.",
+    )
+    max_prompt_tokens: int = Field(
+        256, ge=1, description="Prompts longer than this (in tokens, chat template included) are refused with "
+        "their row number, or dropped under `overlong_prompts: skip`.",
+    )
+    overlong_prompts: Literal["error", "skip"] = Field(
+        "error", description="A prompt over `max_prompt_tokens`: `error` refuses the run with its line (the default: "
+        "dropping rows silently changes the data). `skip` drops it and logs how many were dropped and their lines.",
+    )
     eval_size: int = Field(500, ge=1, description="Held-out prompts scored at each evaluation.")
 
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,7 +16,8 @@ class ModelFolderError(ValueError):
 
 
 def check_model_folder(path: str) -> Path:
-    """Refuse a path that is not a local causal-LM folder before anything heavy happens."""
+    """Refuse a path that is not a whole local causal-LM folder before anything heavy happens: its config, every
+    weights file and its tokenizer are checked (cheaply: JSON, safetensors headers and file sizes, names)."""
     if not path:
         raise ModelFolderError("model.path: empty; point it at a local Hugging Face model folder "
                                "(config.json + *.safetensors + tokenizer files), or run `tandem demo`")
@@ -22,12 +25,88 @@ def check_model_folder(path: str) -> Path:
     if not p.is_dir():
         raise ModelFolderError(f"model.path: {path!r} is not a folder; point it at a local Hugging Face model "
                                "folder (downloads are not done at run time: `huggingface-cli download` it first)")
-    if not (p / "config.json").is_file():
-        raise ModelFolderError(f"model.path: {path!r} has no config.json; is it a Hugging Face model folder?")
-    if not any(p.glob("*.safetensors")):
-        raise ModelFolderError(f"model.path: {path!r} has no *.safetensors weights; convert the checkpoint with "
-                               "`save_pretrained(..., safe_serialization=True)`")
+    check_model_files(p)
+    check_tokenizer_files(p)
     return p
+
+
+def check_model_files(folder: Path) -> None:
+    """What a model load reads: config.json with a model_type, and safetensors files that are whole."""
+    if not (folder / "config.json").is_file():
+        raise ModelFolderError(f"model.path: {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
+    config = read_json(folder / "config.json")
+    if not isinstance(config, dict):
+        raise ModelFolderError(f"{folder / 'config.json'}: expected a JSON object, got {type(config).__name__}; "
+                               "copy the model's config.json again")
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise ModelFolderError(f"{folder / 'config.json'}: no 'model_type' (transformers picks the model class by "
+                               f"it; keys here: {sorted(config)[:8]}); is this a model's config.json?")
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ModelFolderError(f"model.path: {str(folder)!r} has no *.safetensors weights; convert the checkpoint "
+                               "with `save_pretrained(..., safe_serialization=True)`")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map", {})
+        for name in sorted(set(weight_map.values())):
+            if not (folder / name).is_file():
+                raise ModelFolderError(f"{index} names {name}, which is not in {folder}: copy every shard")
+    for shard in shards:
+        check_safetensors(shard)
+
+
+def check_safetensors(file: Path) -> None:
+    """A safetensors file is an 8-byte header length, a JSON header, then exactly the bytes the header maps:
+    reading the header finds a truncated or padded file before a loader fails on it without its name."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFolderError(f"{file}: {size} bytes, too short for a safetensors file; copy it again")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise ModelFolderError(f"{file}: truncated: its header alone says {8 + header_len} bytes, the file has "
+                                   f"{size}; copy it again (or it is not a safetensors file)")
+        try:
+            header = json.loads(f.read(header_len))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise ModelFolderError(f"{file}: the header is not valid JSON mapping tensors to data_offsets: not a "
+                                   "safetensors file, or damaged; copy it again") from None
+    expected = 8 + header_len + end
+    if size < expected:
+        raise ModelFolderError(f"{file}: truncated: its header says {expected} bytes, the file has {size}; "
+                               "copy it again")
+    if size > expected:
+        raise ModelFolderError(f"{file}: {size - expected} bytes past the {expected} its header says: damaged; "
+                               "copy it again")
+
+
+# What transformers builds a tokenizer from: its own serialization, or a slow tokenizer's vocabulary files that
+# it converts (byte-level BPE, SentencePiece, WordPiece, tiktoken). Without any of them it builds an empty one.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.txt", "*.tiktoken")
+
+
+def check_tokenizer_files(folder: Path) -> None:
+    if any(all(any(folder.glob(name)) for name in alt.split(" + ")) for alt in TOKENIZER_FILES):
+        return
+    found = sorted(f.name for f in folder.iterdir()) if folder.is_dir() else []
+    listing = ", ".join(found[:12]) + (", ..." if len(found) > 12 else "")
+    raise ModelFolderError(f"model.path: {str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} "
+                           f"is there (found: {listing or 'nothing'}); save it beside the weights "
+                           "(`tokenizer.save_pretrained(folder)`) or copy its files from the base model's folder")
+
+
+def read_json(file: Path) -> Any:
+    """A model folder's JSON file, or an error naming it and where it breaks."""
+    try:
+        return json.loads(file.read_bytes())
+    except json.JSONDecodeError as exc:
+        raise ModelFolderError(f"{file}: not valid JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); "
+                               "copy it again from the model's source") from None
+    except UnicodeDecodeError as exc:
+        raise ModelFolderError(f"{file}: not UTF-8 text (byte offset {exc.start}); copy it again") from None
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -35,14 +114,18 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = Path(path)
-    cfg = p / "tokenizer_config.json"
-    declared = json.loads(cfg.read_text()).get("tokenizer_class") if cfg.is_file() else None
-    # transformers 5 may pick a tokenizer class from the *model* type and re-split text; a folder that says
-    # PreTrainedTokenizerFast (as tandem's own do) is loaded as exactly that.
-    if declared in ("PreTrainedTokenizerFast", "TokenizersBackend") or (declared is None and (p / "tokenizer.json").is_file()):
-        tok = PreTrainedTokenizerFast.from_pretrained(str(p))
-    else:
-        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    check_tokenizer_files(p)
+    cfg = read_json(p / "tokenizer_config.json") if (p / "tokenizer_config.json").is_file() else {}
+    declared = cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
+    try:
+        # transformers 5 may pick a tokenizer class from the *model* type and re-split text; a folder that says
+        # PreTrainedTokenizerFast (as tandem's own do) is loaded as exactly that.
+        if declared in ("PreTrainedTokenizerFast", "TokenizersBackend") or (declared is None and (p / "tokenizer.json").is_file()):
+            tok = PreTrainedTokenizerFast.from_pretrained(str(p))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers' and tokenizers' own messages seldom say which folder
+        raise ModelFolderError(f"model.path: the tokenizer in {p} does not load: {exc}") from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -52,6 +135,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    check_model_files(Path(path))  # transformers' own errors about these files seldom name the file
     hf_logging.disable_progress_bar()  # one bar per load drowns the run's own progress
 
     model = AutoModelForCausalLM.from_pretrained(

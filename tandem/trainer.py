@@ -65,11 +65,12 @@ def prepare(cfg: Config, resume: bool = False) -> Run:
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     d = cfg.data
     train_rows = load_task_rows(d.task, d.path, d.prompt_field, d.answer_field, "train")
-    train = tokenize_rows(train_rows, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens, d.path or d.task)
+    train = tokenize_rows(train_rows, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens, d.path or d.task,
+                          d.overlong_prompts)
     if d.eval_path or d.task == "arithmetic":
         eval_rows = load_task_rows(d.task, d.eval_path or d.path, d.prompt_field, d.answer_field, "test")
         eval_prompts = tokenize_rows(eval_rows[: d.eval_size], tokenizer, d.chat_template, d.system_prompt,
-                                     d.max_prompt_tokens, d.eval_path or d.task)
+                                     d.max_prompt_tokens, d.eval_path or d.task, d.overlong_prompts)
     else:
         eval_prompts = train[: d.eval_size]  # no held-out split given: say so in the logs
         log.warning("no data.eval_path: evaluating on the first %d training prompts", len(eval_prompts))

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.data import arithmetic
+
+log = logging.getLogger("tandem.data")
 
 
 class DataError(ValueError):
@@ -34,9 +37,16 @@ def read_rows(path: str, prompt_field: str, answer_field: str) -> list[dict]:
 
         rows, where = list(datasets.Dataset.from_parquet(str(p))), "row"
     else:
-        rows, where = [], "line"
-        with p.open() as f:
-            for lineno, line in enumerate(f, 1):
+        rows, where, offset = [], "line", 0
+        with p.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not UTF-8: byte 0x{raw[exc.start]:02x} at byte offset "
+                                    f"{offset + exc.start} (column {exc.start + 1}); re-encode the file as UTF-8 "
+                                    "(e.g. `iconv -f latin1 -t utf-8`)") from None
+                offset += len(raw)
                 if not line.strip():
                     continue
                 try:
@@ -74,26 +84,59 @@ def load_task_rows(task: str, path: str, prompt_field: str, answer_field: str, s
     out = []
     for r in rows:
         row = dict(r)
-        row["question"], row["answer"] = str(r[prompt_field]), r[answer_field]
+        prompt = r[prompt_field]
+        if isinstance(prompt, str):
+            row["question"] = prompt
+        else:  # chat messages: a reward is handed the last user turn as the prompt, the template sees them all
+            problem = messages_problem(prompt)
+            if problem:
+                raise DataError(f"{path}:{r.get('_line', '?')}: field {prompt_field!r} must be a string or a list "
+                                f"of chat messages ({{'role', 'content'}} dicts), got {problem}; set "
+                                "data.prompt_field to the field holding the prompt")
+            row["_messages"] = prompt
+            row["question"] = next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+        row["answer"] = r[answer_field]
         if task == "gsm8k":
             try:
                 row["answer"] = gsm8k_final_answer(str(r[answer_field]))
             except DataError as exc:
                 raise DataError(f"{path}:{r.get('_line', '?')}: {exc}") from None
-            row["question"] = f"{r[prompt_field]}\n{GSM8K_INSTRUCTION}"
+            if "_messages" not in row:  # chat messages are the user's own wording: used as they are
+                row["question"] = f"{r[prompt_field]}\n{GSM8K_INSTRUCTION}"
         out.append(row)
     return out
 
 
-def render_prompt(tokenizer, question: str, chat_template: bool, system_prompt: str) -> list[int]:
-    """Prompt token ids: the raw question, or the tokenizer's chat template with the generation prompt opened."""
-    if not chat_template:
+def messages_problem(value) -> str:
+    """What keeps `value` from being chat messages (a non-empty list of dicts with string role and content),
+    said as the error's `got ...`; empty if they are."""
+    if not isinstance(value, list):
+        return type(value).__name__
+    if not value:
+        return "an empty list"
+    for i, m in enumerate(value, 1):
+        if not isinstance(m, dict):
+            return f"a list holding {type(m).__name__}"
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                return f"a list whose message {i} has no string {key!r}"
+    return ""
+
+
+def render_prompt(tokenizer, question: str | list[dict], chat_template: bool, system_prompt: str) -> list[int]:
+    """Prompt token ids: the raw question, or the tokenizer's chat template with the generation prompt opened.
+    Chat messages (a list) always go through the template: it is the only way to render them."""
+    if not chat_template and isinstance(question, str):
         return tokenizer.encode(question, add_special_tokens=False)
     if not getattr(tokenizer, "chat_template", None):
+        if isinstance(question, list):
+            raise DataError("the prompt is chat messages, but the tokenizer has no chat template; add a "
+                            "chat_template to tokenizer_config.json or give prompts as text")
         raise DataError("data.chat_template: true, but the tokenizer has no chat template; set "
                         "data.chat_template=false (base models) or add a chat_template to tokenizer_config.json")
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-        [{"role": "user", "content": question}]
+    messages = [{"role": "user", "content": question}] if isinstance(question, str) else list(question)
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
@@ -107,16 +150,32 @@ class Prompt:
 
 
 def tokenize_rows(rows: list[dict], tokenizer, chat_template: bool, system_prompt: str, max_tokens: int,
-                  source: str) -> list[Prompt]:
-    prompts = []
+                  source: str, overlong: str = "error") -> list[Prompt]:
+    """Each row's prompt ids. A prompt over `max_tokens` is refused (`overlong="error"`) or dropped and counted
+    in one warning (`"skip"`)."""
+    prompts, skipped = [], []
     for i, row in enumerate(rows, 1):
-        ids = render_prompt(tokenizer, row["question"], chat_template, system_prompt)
+        at = row.get("_line", i)
+        try:
+            ids = render_prompt(tokenizer, row.get("_messages") or row["question"], chat_template, system_prompt)
+        except DataError as exc:
+            raise DataError(f"{source}:{at}: {exc}") from None
         if not ids:
-            raise DataError(f"{source}:{row.get('_line', i)}: the prompt is empty after tokenization")
+            raise DataError(f"{source}:{at}: the prompt is empty after tokenization")
         if len(ids) > max_tokens:
-            raise DataError(f"{source}:{row.get('_line', i)}: prompt has {len(ids)} tokens, over "
-                            f"data.max_prompt_tokens={max_tokens}; raise the limit or drop the row")
+            if overlong == "skip":
+                skipped.append(at)
+                continue
+            raise DataError(f"{source}:{at}: prompt has {len(ids)} tokens, over data.max_prompt_tokens="
+                            f"{max_tokens}; raise the limit, drop the row, or set data.overlong_prompts=skip")
         prompts.append(Prompt(ids, row))
+    if skipped and not prompts:
+        raise DataError(f"{source}: all {len(skipped)} prompts are over data.max_prompt_tokens={max_tokens}; "
+                        "raise the limit")
+    if skipped:
+        shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
+        log.warning("%s: skipped %d of %d prompts over data.max_prompt_tokens=%d (lines %s)", source, len(skipped),
+                    len(rows), max_tokens, shown)
     return prompts
 
 

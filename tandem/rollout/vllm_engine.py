@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from tandem.modeling import check_model_files
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.vllm_worker import encode_weights
 
@@ -110,10 +111,8 @@ class _Checkpoint:
 
         self.path = model_path
         self.dtype = dtype
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{model_path}: no *.safetensors files; save the model with save_pretrained first")
-        self.files = files
+        check_model_files(Path(model_path))  # config.json and whole safetensors, each named if not
+        self.files = files = sorted(Path(model_path).glob("*.safetensors"))
         self.shapes: dict[str, tuple[int, ...]] = {}
         for f in files:
             with safe_open(str(f), framework="pt") as fh:
