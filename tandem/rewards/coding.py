@@ -7,20 +7,26 @@ Row schema (either key, or both):
   string of assert-style Python (e.g. `"assert add(2, 3) == 5"`) run after the solution in the same program;
 - `row["test_code"]`: one string of assert-style Python, run after the solution as a single test.
 
-An assert-style test passes only if the program reaches a random marker printed after the test code, so a
-solution that calls `exit(0)` early, or prints "OK", does not pass.
+An assert-style test runs in a harness process apart from the program (`sandbox.judge_python`): the harness calls
+the solution's functions and gets plain data back, so nothing the program prints, patches or exits with can pass a
+test for it. The tests' expected values never enter the program's process.
+
+Before the first call (when the reward scorer starts) `preflight` runs the sandbox's self-test and refuses a sandbox
+that cannot run a correct program, or one that is weak (no namespaces) unless `allow_weak_sandbox` says so.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from tandem.rewards.base import register_reward
-from tandem.rewards.sandbox import SandboxLimits, run_python
+from tandem.rewards.sandbox import SandboxBroken, SandboxLimits, judge_python, run_python, self_test, weak_spots
+
+log = logging.getLogger("tandem.rewards")
 
 _FENCE_RE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\r?\n(.*?)```", re.DOTALL)
 
@@ -64,26 +70,56 @@ def outputs_match(actual: str, expected: str) -> bool:
     return norm(actual) == norm(expected)
 
 
-def run_test(solution: str, test: CodeTest, limits: SandboxLimits) -> bool:
+def run_test(solution: str, test: CodeTest, limits: SandboxLimits, packages: Sequence[str] = ()) -> bool:
     """Whether `solution` passes `test` in the sandbox."""
     if test.expected_stdout is not None:
-        r = run_python(solution, test.stdin, limits)
+        r = run_python(solution, test.stdin, limits, packages=packages)
         return r.ok and outputs_match(r.stdout, test.expected_stdout)
-    marker = f"tandem-pass-{secrets.token_hex(8)}"
-    r = run_python(f"{solution}\n\n{test.assert_code}\n\nprint({marker!r})\n", test.stdin, limits)
-    lines = r.stdout.rstrip().splitlines()
-    return r.ok and bool(lines) and lines[-1].strip() == marker
+    return judge_python(solution, test.assert_code, limits, packages=packages).passed is True
+
+
+def check_sandbox(packages: Sequence[str] = (), allow_weak_sandbox: bool = False) -> None:
+    """Refuse (SandboxBroken) a sandbox that fails its self-test, or a weak one unless `allow_weak_sandbox`; warn
+    loudly, naming what is not contained, when a weak one is allowed. Checked once per package set."""
+    iso = self_test(tuple(packages))
+    spots = weak_spots(iso)
+    if not spots:
+        return
+    what = "; ".join(spots)
+    if not allow_weak_sandbox:
+        raise SandboxBroken(
+            f"the code sandbox is weak on this machine (isolation {iso}: no user or mount namespaces): a "
+            f"model-written program could {what}. Run where unprivileged user namespaces are allowed "
+            "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0, or a container with them), "
+            "or accept the risk with the code reward's kwargs: {allow_weak_sandbox: true}")
+    if (tuple(packages), True) not in _WARNED:
+        _WARNED.add((tuple(packages), True))
+        log.warning("!!! CODE SANDBOX IS WEAK (allow_weak_sandbox: true; isolation %s): a model-written program "
+                    "could %s. Only rlimits, a new session and a scrubbed environment confine it.", iso, what)
+
+
+_WARNED: set = set()
+
+
+def preflight(cpu_s: int = 2, wall_s: float = 5.0, memory_mb: int = 1024, parallel: int | None = None,
+              packages: Sequence[str] = (), allow_weak_sandbox: bool = False) -> None:
+    """Run once when a scorer with `code` is built, before any model loads: the sandbox works here, or the run stops."""
+    check_sandbox(packages, allow_weak_sandbox)
 
 
 @register_reward("code", batched=True, inline=True)
 def code(completions: Sequence[str], prompts: Sequence[str], rows: Sequence[Mapping], cpu_s: int = 2,
-         wall_s: float = 5.0, memory_mb: int = 1024, parallel: int | None = None) -> list[float]:
+         wall_s: float = 5.0, memory_mb: int = 1024, parallel: int | None = None, packages: Sequence[str] = (),
+         allow_weak_sandbox: bool = False) -> list[float]:
     """The fraction of each row's tests the completion's code passes, each test a separate sandbox run with
-    `cpu_s`, `wall_s` and `memory_mb` limits, `parallel` runs at a time (default: one per core).
+    `cpu_s`, `wall_s` and `memory_mb` limits, `parallel` runs at a time (default: one per core). `packages`: top-level
+    packages besides the standard library that programs may import (read-only). `allow_weak_sandbox`: run even where
+    the sandbox has no namespaces (see `check_sandbox`).
 
     Inline on purpose: the isolation is the sandbox process, and the call is bounded by its limits
     (ceil(tests / parallel) × wall_s), so a pool worker would only add a second process per run. A row without
     usable tests scores NaN for that sample, which the scorer counts as an error."""
+    check_sandbox(packages, allow_weak_sandbox)
     limits = SandboxLimits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb)
     scores: list[float] = [float("nan")] * len(completions)
     runs: list[tuple[int, str, CodeTest]] = []
@@ -98,9 +134,12 @@ def code(completions: Sequence[str], prompts: Sequence[str], rows: Sequence[Mapp
         counts[i] = len(tests)
     passed = [0] * len(completions)
     with ThreadPoolExecutor(max_workers=parallel or os.cpu_count() or 1) as ex:
-        for (i, _, _), ok in zip(runs, ex.map(lambda r: run_test(r[1], r[2], limits), runs)):
+        for (i, _, _), ok in zip(runs, ex.map(lambda r: run_test(r[1], r[2], limits, packages), runs)):
             passed[i] += int(ok)
     for i, n in enumerate(counts):
         if n:
             scores[i] = passed[i] / n
     return scores
+
+
+code.preflight = preflight

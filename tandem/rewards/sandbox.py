@@ -1,29 +1,37 @@
-"""Run untrusted (model-written) Python in a separate, resource-limited, unprivileged process and capture its output.
+"""Run untrusted (model-written) Python in a confined, resource-limited process; judge tests with a verdict it cannot forge.
 
-What confines the program, on Linux (each step is best effort; `SandboxResult.isolation` says which ones held):
+What confines the program, on Linux (`SandboxResult.isolation` says which held; `self_test()` checks it works):
 
-- a fresh interpreter `python -I -S` (no user site, no site-packages, no PYTHON* variables) with a scrubbed
-  environment (`PATH` and `LANG` only), in a new session so its whole process group can be killed;
-- rlimits set inside the child before the program runs: CPU seconds, address space, open files, file size
-  (which also caps stdout/stderr, both written to files: a flood of output dies of SIGXFSZ), no core dumps, and the
-  number of processes;
-- as root: new network and mount namespaces (`unshare(2)`): no network at all (not even loopback); every mount
-  remounted read-only and a small private tmpfs mounted on /tmp as the working directory, so the program can write
-  nowhere else; then it drops to a fresh random uid/gid with no groups and `no_new_privs`, so it cannot signal
-  the trainer, read `/proc/<trainer>/environ`, or share a process-count budget with anything else;
-- not root: the same inside a new user namespace that maps only the caller's own ids (when the kernel allows
-  unprivileged user namespaces), plus a pid namespace and a fresh /proc, since the program keeps the trainer's uid:
-  it can then neither see nor signal the trainer nor read its /proc/<pid>/environ. RLIMIT_NPROC counts all of the
-  user's processes, so it is set to the user's current count plus the limit. Without user namespaces it runs as
-  the calling user in a private temporary directory: rlimits, session and scrubbed environment only (`isolation`
-  reports net=0 fs=0 uid=0; the network test then skips).
+- a fresh interpreter `python -I -S` with a scrubbed environment (`PATH` and `LANG` only), in a new session;
+- new mount, network and pid namespaces (as root directly; otherwise inside a user namespace that maps only the
+  caller's own ids): no network at all (not even loopback), no view of the trainer's processes, and a root file
+  system built for the run that holds only the interpreter, the standard library, the shared libraries they load and
+  the packages a task allows, all read-only, plus a private tmpfs at /tmp as the working directory. Nothing else of
+  the host is there to read or write, whoever runs the trainer: a Python under a 0700 home works, since the sandbox
+  sees it through its own mounts, not through the home's permissions;
+- as root, the program runs as a fresh random uid/gid with no groups; otherwise it keeps the caller's uid but loses
+  every capability of its namespace. Either way `no_new_privs`, and rlimits: CPU seconds, address space, open files,
+  file size (which also caps stdout/stderr: a flood of output dies of SIGXFSZ), no core dumps, processes;
+- the parent enforces wall time and kills the whole process group; in a pid namespace, everything the program started
+  dies with it (a `setsid()` does not escape), and as root every process of the sandbox uid is swept as well.
 
-The parent enforces wall time, then kills the process group and sweeps every process left with the sandbox uid (a
-program may `setsid()` out of its group). The interpreter's standard library must be world-readable, since modules
-imported after the uid drop are read as that uid.
+Without user namespaces (or any namespaces) the program runs as the calling user in a private directory with rlimits,
+a new session and a scrubbed environment only: `isolation` reports net=0 fs=0 pid=0, `weak_spots()` names what is
+then not contained, and the `code` reward refuses to run unless told `allow_weak_sandbox`.
+
+Judging assert-style tests (`judge_python`): the program and the tests run in two processes with different uids (or,
+without root, the harness not dumpable and the program without capabilities). The harness holds the tests and the only
+channel the verdict travels on; it calls the program's functions over a socket and gets plain data back (None, bool,
+numbers, str, bytes, and lists, tuples, sets and dicts of them), anything else as an opaque handle that equals nothing.
+So an early `sys.exit(0)`, a printed verdict, a patched `builtins` or `AssertionError`, an `atexit` hook, `os._exit`
+after a fake success line, or a result whose `__eq__` is always true cannot pass a test: there is no secret to read and
+nothing the program does in its own process reaches the harness. `sandbox_boot.py` is the confined side.
 """
 from __future__ import annotations
 
+import fcntl
+import functools
+import json
 import os
 import secrets
 import shutil
@@ -33,121 +41,58 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
-_STATUS_PREFIX = b"\x00tandem-sandbox "
+_BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
 
-# Runs in the child, as root (or the calling user) until it drops privileges, then executes the program in-process
-# (one interpreter start per run). Only the standard library; must not print anything but the status line.
-_BOOT = r'''
-import os, resource, sys
-# argv: src workdir uid cpu as fsize nofile nproc tmpfs_mb isolate (no json: importing it costs ~30 ms a run)
-a = sys.argv[1:]
-cfg = {"src": a[0], "workdir": a[1], "uid": None if a[2] == "-" else int(a[2]), "cpu": int(a[3]), "as": int(a[4]),
-       "fsize": int(a[5]), "nofile": int(a[6]), "nproc": int(a[7]), "tmpfs_mb": int(a[8]), "isolate": a[9] == "1"}
-with open(cfg["src"], encoding="utf-8") as f:
-    src = f.read()
-done = {"net": 0, "fs": 0, "uid": 0, "pid": 0}
+# Run once per interpreter and package set with the sandbox's interpreter: which files it needs. It imports every
+# extension module of the standard library (and the allowed packages), then lists the shared objects the dynamic
+# loader opened, by the names it opened them under (symlinks included), and every file mapped into the process.
+_PROBE = r'''
+import ctypes, json, os, site, sys
+out, pkgs = sys.argv[1], json.loads(sys.argv[2])
+stdlib = [p for p in sys.path if p]
+for d in stdlib:
+    if os.path.isdir(d) and d.endswith("lib-dynload"):
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".so") and not f.startswith(("_tkinter", "_curses", "readline")):  # no terminal, no GUI
+                try:
+                    __import__(f.split(".")[0])
+                except BaseException:
+                    pass
+for parent, name in pkgs:
+    sys.path.insert(0, parent)
+    __import__(name)
+names = []
 try:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
+    class Info(ctypes.Structure):
+        _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]
+    CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Info), ctypes.c_size_t, ctypes.c_void_p)
+    def cb(info, size, data):
+        if info.contents.name:
+            names.append(os.fsdecode(info.contents.name))
+        return 0
+    ctypes.CDLL(None).dl_iterate_phdr(CB(cb), None)
 except Exception:
-    libc = None
-
-def unshare(flags):
-    return libc is not None and libc.unshare(flags) == 0
-
-NEWNS, NEWNET, NEWUSER, NEWPID = 0x00020000, 0x40000000, 0x10000000, 0x20000000
-ns = pidns = False
-if cfg["isolate"]:
-    if os.geteuid() == 0:
-        ns = unshare(NEWNS | NEWNET)
-    else:
-        # Not root: a user namespace, mapping only our own ids, makes the rest possible. Same uid as the trainer,
-        # so also a pid namespace (and below a fresh /proc): it can neither see nor signal the trainer.
-        uid0, gid0 = os.geteuid(), os.getegid()
-        ns = unshare(NEWUSER | NEWNS | NEWNET | NEWPID)
-        if ns:
-            try:
-                for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid0} {uid0} 1"),
-                                   ("/proc/self/gid_map", f"{gid0} {gid0} 1")):
-                    with open(path, "w") as f:
-                        f.write(text)
-            except OSError:
-                pass
-            child = os.fork()  # the child is pid 1 of the new namespace; when it dies, all it started dies
-            if child:
-                while True:
-                    try:
-                        status = os.waitpid(child, 0)[1]
-                        break
-                    except InterruptedError:
-                        continue
-                os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
-            pidns = done["pid"] = True
-            libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the waiting parent (killed on wall timeout)
-    done["net"] = int(ns)
-
-def remount_readonly():
-    # Per-mount read-only bind remount; keep the flags a user namespace locks (nosuid, nodev, noexec, atime).
-    bits = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
-    ok = True
-    with open("/proc/self/mountinfo") as f:
-        lines = f.read().splitlines()
-    for line in lines:
-        parts = line.split()
-        mnt = parts[4].encode().decode("unicode_escape")
-        flags = 1 | 32 | 4096  # MS_RDONLY | MS_REMOUNT | MS_BIND
-        for opt in parts[5].split(","):
-            flags |= bits.get(opt, 0)
-        if libc.mount(None, mnt.encode(), None, flags, None) != 0 and mnt == "/":
-            ok = False
-    return ok
-
-uid = cfg["uid"]
-workdir = cfg["workdir"]
-if ns:
-    MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 16384, 1 << 18, 2, 4
-    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0 and remount_readonly():
-        if pidns:  # a /proc of the new pid namespace: the trainer's /proc/<pid>/environ is not there
-            libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | 8, None)
-        owner = uid if (uid is not None and os.geteuid() == 0) else os.geteuid()
-        opts = f"size={cfg['tmpfs_mb']}m,nr_inodes=4096,mode=0700,uid={owner},gid={owner}".encode()
-        if libc.mount(b"tandem-sandbox", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0:
-            workdir, done["fs"] = "/tmp", 1
-os.chdir(workdir)
-
-R = resource
-limits = [(R.RLIMIT_CPU, cfg["cpu"], cfg["cpu"] + 1), (R.RLIMIT_AS, cfg["as"], cfg["as"]),
-          (R.RLIMIT_FSIZE, cfg["fsize"], cfg["fsize"]), (R.RLIMIT_NOFILE, cfg["nofile"], cfg["nofile"]),
-          (R.RLIMIT_CORE, 0, 0), (R.RLIMIT_NPROC, cfg["nproc"], cfg["nproc"])]
-for what, soft, hard in limits:
-    try:
-        R.setrlimit(what, (soft, hard))
-    except (ValueError, OSError):
-        pass
-if uid is not None and os.geteuid() == 0:
-    try:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        done["uid"] = 1
-    except OSError:
-        pass
-if libc is not None:
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL: die with whoever launched us
-os.write(2, ("\x00tandem-sandbox net=%d fs=%d uid=%d pid=%d\n" % (done["net"], done["fs"], done["uid"], done["pid"])).encode())
-sys.argv = ["solution.py"]
-g = {"__name__": "__main__", "__builtins__": __builtins__}
-del os, resource, R, cfg, limits, libc, a
-exec(compile(src, "solution.py", "exec"), g)
+    pass
+maps = set()
+with open("/proc/self/maps") as f:
+    for line in f:
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            maps.add(parts[5].strip())
+sites = site.getsitepackages() + [site.getusersitepackages()]
+with open(out, "w") as f:
+    json.dump({"stdlib": stdlib, "loaded": names, "maps": sorted(maps), "executable": sys.executable,
+               "sites": sites}, f)
 '''
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-run limits. `output_bytes` caps stdout and stderr each (the file-size limit); `tmpfs_mb` caps the
-    working directory when it is a private tmpfs."""
+    """Per-run limits (each process of a run gets them). `output_bytes` caps stdout and stderr each (the file-size
+    limit); `tmpfs_mb` caps the private working directory."""
 
     cpu_s: int = 2
     wall_s: float = 5.0
@@ -166,18 +111,98 @@ class SandboxResult:
     timed_out: bool  # hit the wall-time limit
     wall_s: float
     uid: int | None  # the uid it ran as, when it dropped privileges
-    # net: no network; fs: writes only to a private tmpfs; uid: ran as its own uid; pid: in its own pid namespace
+    # net: no network; fs: sees only the interpreter, its libraries and allowed packages, writes only to a private
+    # tmpfs; uid: ran as its own uid; pid: in its own pid namespace
     isolation: dict[str, int] = field(default_factory=dict)
+    passed: bool | None = None  # judge_python: the harness's verdict (None for run_python)
+    reason: str = ""  # judge_python: why a test did not pass
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
 
 
+class SandboxBroken(RuntimeError):
+    """The sandbox cannot run programs correctly on this machine (`self_test` says how)."""
+
+
 def _interpreter() -> str:
-    # The base interpreter, not the venv's: with -S it would not see site-packages anyway, and the venv path may
-    # sit under a directory the sandbox uid cannot traverse.
+    # The base interpreter, not the venv's: with -S it would not see site-packages anyway.
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _path_entries(path: str, out: list[tuple[str, ...]]) -> None:
+    """Entries that make `path` resolve in the sandbox's root as on the host: each symlink on the way, then the file."""
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    for i, part in enumerate(parts):
+        cur = f"{cur}/{part}"
+        if os.path.islink(cur):
+            target = os.readlink(cur)
+            out.append(("link", cur, target))
+            resolved = os.path.normpath(os.path.join(os.path.dirname(cur), target))
+            rest = "/".join(parts[i + 1:])
+            _path_entries(os.path.join(resolved, rest) if rest else resolved, out)
+            return
+    if os.path.isfile(cur):
+        out.append(("file", cur))
+
+
+def package_paths(packages: Sequence[str]) -> list[tuple[str, str, list[str]]]:
+    """For each allowed top-level package or module: (its parent directory, its name, the paths to expose: the
+    package or module itself and a wheel's bundled `<name>.libs` beside it). Raises ValueError naming what is missing."""
+    import importlib.util
+
+    out = []
+    for name in packages:
+        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        if spec is None or not spec.origin or spec.origin in ("built-in", "frozen"):
+            raise ValueError(f"sandbox package {name!r} is not installed as a file on this machine's sys.path "
+                             "(list top-level packages the trainer's Python can import, e.g. 'numpy')")
+        path = os.path.dirname(spec.origin) if spec.submodule_search_locations else spec.origin
+        parent = os.path.dirname(path)
+        shown = [path] + [os.path.join(parent, d) for d in os.listdir(parent)
+                          if d.endswith(".libs") and d.split(".")[0].split("-")[0].lower() == name.lower()]
+        out.append((parent, name, shown))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _root_binds(python: str, packages: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """The sandbox root's entries (one tab-separated line each, parents before children) and the extra sys.path."""
+    pkgs = package_paths(packages)
+    with tempfile.TemporaryDirectory(prefix="tandem-probe-") as tmp:
+        out = os.path.join(tmp, "probe.json")
+        proc = subprocess.run([python, "-I", "-S", "-c", _PROBE, out, json.dumps([(p, n) for p, n, _ in pkgs])],
+                              env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, capture_output=True, timeout=120)
+        if proc.returncode != 0:
+            raise SandboxBroken(f"probing {python} for the files the sandbox needs failed: "
+                                f"{proc.stderr.decode(errors='replace')[-500:]}")
+        with open(out) as f:
+            probe = json.load(f)
+    dirs = [os.path.realpath(p) for p in probe["stdlib"] if os.path.isdir(p)]
+    dirs += [os.path.realpath(p) for _, _, shown in pkgs for p in shown if os.path.isdir(p)]
+    masks = [os.path.realpath(s) for s in probe["sites"] if os.path.isdir(s)]
+    under = lambda p, d: p.startswith(d + "/")  # noqa: E731
+    masks = [m for m in dict.fromkeys(masks) if any(under(m, d) for d in dirs)]
+
+    def shown_by(p: str) -> bool:  # already visible through a bound directory, and not hidden by a mask below it
+        return any(under(p, d) and not any(under(m, d) and (p == m or under(p, m)) for m in masks) for d in dirs)
+
+    entries: list[tuple[str, ...]] = [("dir", d) for d in dict.fromkeys(dirs) if not shown_by(d)]
+    entries += [("mask", m) for m in masks]
+    files: list[tuple[str, ...]] = []
+    for p in [probe["executable"], python, *probe["stdlib"], *probe["loaded"], *probe["maps"], "/etc/ld.so.cache"]:
+        if p and os.path.exists(p) and not os.path.isdir(p):
+            _path_entries(os.path.abspath(p), files)
+    for _, _, shown in pkgs:
+        files += [("file", p) for p in shown if os.path.isfile(p)]
+    entries += [e for e in dict.fromkeys(files) if not shown_by(e[1])]
+    entries += [("dev", d) for d in _DEVICES if os.path.exists(d)]
+    # Mount order: whatever lies inside a bound directory or a mask goes after it (nesting, then depth).
+    nesting = lambda p: sum(under(p, e[1]) for e in entries if e[0] in ("dir", "mask"))  # noqa: E731
+    entries.sort(key=lambda e: (nesting(e[1]), e[1].count("/")))
+    return "".join("\t".join(e) + "\n" for e in entries), tuple(parent for parent, _, _ in pkgs)
 
 
 def _uid_processes(uid: int) -> list[int]:
@@ -226,37 +251,74 @@ def _read_capped(path: str, cap: int) -> bytes:
         return f.read(cap)
 
 
-def run_python(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *,
-               isolate: bool = True, python: str | None = None) -> SandboxResult:
+def _fresh_uid() -> int:
+    return (1 << 30) + secrets.randbelow((1 << 30) - 2)
+
+
+def run_python(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *, isolate: bool = True,
+               python: str | None = None, packages: Sequence[str] = ()) -> SandboxResult:
     """Run `source` as a Python program in the sandbox with `stdin`; never raises for anything the program does.
 
-    `isolate=False` skips namespaces and the uid drop (rlimits, session and scrubbed environment still apply).
-    """
+    `packages`: top-level packages of the trainer's environment the program may import (read-only), besides the
+    standard library. `isolate=False` skips namespaces and the uid drop (rlimits, session and scrubbed environment
+    still apply)."""
+    return _launch(source, None, stdin, limits, isolate, python, tuple(packages))
+
+
+def judge_python(solution: str, tests: str, limits: SandboxLimits = SandboxLimits(), *, isolate: bool = True,
+                 python: str | None = None, packages: Sequence[str] = ()) -> SandboxResult:
+    """Run `solution`, then the assert-style `tests` against its top-level names in a separate harness process;
+    `passed` is the harness's verdict (see the module docstring for why the program cannot forge it)."""
+    return _launch(solution, tests, "", limits, isolate, python, tuple(packages))
+
+
+def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, isolate: bool, python: str | None,
+            packages: tuple[str, ...]) -> SandboxResult:
+    python = python or _interpreter()
     root = os.geteuid() == 0
-    uid = (1 << 30) + secrets.randbelow((1 << 30) - 2) if (root and isolate) else None
+    uid_a = _fresh_uid() if (root and isolate) else None
+    uid_b = (uid_a + 1 if uid_a < (1 << 31) - 2 else uid_a - 1) if uid_a is not None else None
+    binds, paths = _root_binds(python, packages) if isolate else ("", ())
+    if not isolate and packages:
+        paths = tuple(parent for parent, _, _ in package_paths(packages))
     tmp = tempfile.mkdtemp(prefix="tandem-sandbox-")
+    report_r = report_w = tests_fd = -1
     try:
         work = os.path.join(tmp, "work")
         os.mkdir(work, 0o700)
-        if uid is not None:
-            os.chown(work, uid, uid)  # used only when the private tmpfs could not be mounted
+        os.mkdir(os.path.join(tmp, "root"), 0o755)
+        if uid_a is not None:
+            os.chown(work, uid_a, uid_a)  # used only when the sandbox's own root could not be built
         src = os.path.join(tmp, "solution.py")
         with open(src, "w", encoding="utf-8") as f:
             f.write(source)
+        binds_path = os.path.join(tmp, "binds")
+        with open(binds_path, "w", encoding="utf-8") as f:
+            f.write(binds)
+        tests_path = os.path.join(tmp, "tests.py")
+        with open(tests_path, "w", encoding="utf-8") as f:
+            f.write(tests or "")
+        tests_fd = os.open(tests_path, os.O_RDONLY)
+        os.unlink(tests_path)  # reachable through the harness's descriptor only
         in_path, out_path, err_path = (os.path.join(tmp, n) for n in ("stdin", "stdout", "stderr"))
         with open(in_path, "w", encoding="utf-8") as f:
             f.write(stdin)
+        report_r, report_w = os.pipe()
         nproc = limits.nproc if root else _user_process_count() + limits.nproc
-        args = [src, work, "-" if uid is None else str(uid), str(int(limits.cpu_s)), str(limits.memory_mb << 20),
-                str(limits.output_bytes), str(limits.nofile), str(nproc), str(limits.tmpfs_mb), "1" if isolate else "0"]
+        args = ["judge" if tests is not None else "run", src, str(tests_fd), str(report_w), tmp,
+                "-" if uid_a is None else str(uid_a), "-" if uid_b is None else str(uid_b), str(int(limits.cpu_s)),
+                str(limits.memory_mb << 20), str(limits.output_bytes), str(limits.nofile), str(nproc),
+                str(limits.tmpfs_mb), "1" if isolate else "0", binds_path if binds else "-",
+                "\0".join(paths) if paths else "-"]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         t0 = time.monotonic()
         timed_out = False
         with open(in_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
             # No preexec_fn: this is safe to call from any thread of a process that has threads (the trainer).
-            proc = subprocess.Popen([python or _interpreter(), "-I", "-S", "-c", _BOOT, *args],
-                                    stdin=fin, stdout=fout, stderr=ferr, env=env, cwd=work,
-                                    start_new_session=True, close_fds=True)
+            proc = subprocess.Popen([python, "-I", "-S", _BOOT, *args], stdin=fin, stdout=fout, stderr=ferr, env=env,
+                                    cwd=work, start_new_session=True, close_fds=True, pass_fds=(tests_fd, report_w))
+            os.close(report_w)
+            report_w = -1
             try:
                 proc.wait(timeout=limits.wall_s)
             except subprocess.TimeoutExpired:
@@ -267,20 +329,44 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimi
                 except (ProcessLookupError, PermissionError):
                     pass
                 proc.wait()
-                if uid is not None:
-                    _sweep(uid)
+                if uid_a is not None:
+                    for uid in (uid_a, uid_b):
+                        _sweep(uid)
         wall = time.monotonic() - t0
+        fcntl.fcntl(report_r, fcntl.F_SETFL, os.O_NONBLOCK)  # a leftover process may hold the write end open
+        try:
+            report = os.read(report_r, 1 << 16).decode("utf-8", "replace")
+        except BlockingIOError:
+            report = ""
+        isolation: dict[str, int] = {}
+        returncode, passed, reason = proc.returncode, None, ""
+        for line in report.splitlines():
+            word, _, rest = line.partition(" ")
+            if word == "status":
+                for item in rest.split():
+                    key, _, value = item.partition("=")
+                    isolation[key] = int(value == "1")
+            elif word == "exit" and rest.strip().lstrip("-").isdigit():
+                status = int(rest)
+                returncode = os.waitstatus_to_exitcode(status) if tests is None else returncode
+            elif word == "verdict":
+                flag, _, reason = rest.partition(" ")
+                passed = flag == "1"
+        if tests is not None and passed is None:
+            passed = False
+            reason = "the time limit ran out before the tests finished" if timed_out else \
+                "the harness gave no verdict"
+        if timed_out:
+            returncode = -signal.SIGKILL
         out = _read_capped(out_path, limits.output_bytes)
         err = _read_capped(err_path, limits.output_bytes + 256)
-        isolation: dict[str, int] = {}
-        if err.startswith(_STATUS_PREFIX):
-            line, _, err = err.partition(b"\n")
-            for item in line[len(_STATUS_PREFIX):].decode("ascii", "replace").split():
-                key, _, value = item.partition("=")
-                isolation[key] = int(value == "1")
-        return SandboxResult(proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                             timed_out, wall, uid if isolation.get("uid") else None, isolation)
+        return SandboxResult(returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), timed_out,
+                             wall, uid_a if isolation.get("uid") else None, isolation,
+                             passed if not timed_out else False if tests is not None else None, reason)
     finally:
+        for fd in (report_r, report_w, tests_fd):
+            if fd >= 0:
+                os.close(fd)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -293,3 +379,54 @@ def isolation() -> dict[str, int]:
     if _ISOLATION is None:
         _ISOLATION = dict(run_python("pass").isolation)
     return _ISOLATION
+
+
+def weak_spots(iso: dict[str, int]) -> list[str]:
+    """What a program could do here that the full sandbox prevents, given the `isolation` flags."""
+    spots = []
+    if not iso.get("fs"):
+        spots.append("read the host's files readable by its user and write to the shared temporary directories "
+                     "(/tmp, /var/tmp, /dev/shm)")
+    if not (iso.get("uid") or iso.get("pid")):
+        spots.append("read the trainer's environment and memory (/proc/<pid>/environ) and signal or kill the trainer")
+    elif not iso.get("pid"):
+        spots.append("see the trainer's processes")
+    if not iso.get("net"):
+        spots.append("open network connections (loopback included: the trainer's own ports)")
+    return spots
+
+
+_STDLIB_CHECK = ("import math, json, re, collections, itertools, functools, heapq, bisect, fractions, decimal, "
+                 "datetime, random, string, statistics, typing, dataclasses, hashlib, array, struct, copy, "
+                 "operator, textwrap, unicodedata\nprint(math.isqrt(49), json.dumps([1]), "
+                 "str(fractions.Fraction(1, 3)), decimal.Decimal('0.5') * 2)")
+
+
+@functools.lru_cache(maxsize=8)
+def self_test(packages: tuple[str, ...] = (), python: str | None = None) -> dict[str, int]:
+    """Check that the sandbox runs programs right on this machine, or raise SandboxBroken saying what failed: the
+    standard library (and each allowed package) imports, a known-correct program passes an input/output test and an
+    assert test, known-wrong ones fail both. Returns the isolation flags."""
+    limits = SandboxLimits(cpu_s=5, wall_s=20.0)
+    kw = dict(limits=limits, packages=packages, python=python)
+    checks = [("the standard library imports",
+               run_python(_STDLIB_CHECK + "".join(f"\nimport {p}" for p in packages), **kw),
+               lambda r: r.ok and r.stdout.split() == ["7", "[1]", "1/3", "1.0"]),
+              ("a correct program passes an input/output test",
+               run_python("a, b = map(int, input().split())\nprint(a + b)", "2 3\n", **kw),
+               lambda r: r.ok and r.stdout.strip() == "5"),
+              ("a correct function passes an assert test",
+               judge_python("import math\ndef add(a, b):\n    return math.floor(a) + b", "assert add(2, 3) == 5", **kw),
+               lambda r: r.passed is True),
+              ("a wrong function fails an assert test",
+               judge_python("def add(a, b):\n    return a - b", "assert add(2, 3) == 5", **kw),
+               lambda r: r.passed is False)]
+    for what, result, good in checks:
+        if not good(result):
+            raise SandboxBroken(
+                f"the code sandbox fails its self-test on this machine: expected {what}, got exit code "
+                f"{result.returncode}, verdict {result.passed} {result.reason!r}, stdout {result.stdout[-200:]!r}, "
+                f"stderr {result.stderr[-600:]!r} (isolation {result.isolation}; interpreter {python or _interpreter()})."
+                " The interpreter and its standard library must be importable by the sandbox: see "
+                "tandem/rewards/sandbox.py")
+    return dict(checks[0][1].isolation)
