@@ -287,8 +287,9 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
         work = os.path.join(tmp, "work")
         os.mkdir(work, 0o700)
         os.mkdir(os.path.join(tmp, "root"), 0o755)
-        if uid_a is not None:
-            os.chown(work, uid_a, uid_a)  # used only when the sandbox's own root could not be built
+        if uid_a is not None:  # used only when the sandbox's own root could not be built
+            os.chmod(tmp, 0o711)
+            os.chown(work, uid_a, uid_a)
         src = os.path.join(tmp, "solution.py")
         with open(src, "w", encoding="utf-8") as f:
             f.write(source)
