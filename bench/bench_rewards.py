@@ -38,6 +38,8 @@ def main() -> None:
     m = max(8, n // 8)
     code_c = ["```python\nprint(sum(map(int, input().split())))\n```"] * m
     code_r = [{"tests": [{"stdin": f"{i} 1", "stdout": str(i + 1)}]} for i in range(m)]
+    fn_c = ["```python\ndef add(a, b):\n    return a + b\n```"] * m
+    fn_r = [{"tests": [f"assert add({i}, 1) == {i + 1}"]} for i in range(m)]
 
     rows = [
         ("gsm8k (numeric)", "inline", "-", rate([("gsm8k", 1.0, {})], gsm_c, gsm_r, 0, repeat=20)),
@@ -47,6 +49,8 @@ def main() -> None:
         ("math (math-verify LaTeX)", "pool", f"{w} processes", rate([("math", 1.0, {})], tex_c, tex_r, w)),
         ("code (sandbox, 1 test each)", "inline", f"{w} sandboxes at a time",
          rate([("code", 1.0, {"parallel": w})], code_c, code_r, 0)),
+        ("code (sandbox, 1 assert each)", "inline", f"{w} sandboxes at a time",
+         rate([("code", 1.0, {"parallel": w})], fn_c, fn_r, 0)),
     ]
     iso = isolation()
     print(f"cores: {os.cpu_count()}, samples per call: {n} (code: {m}), sandbox isolation: "

@@ -24,9 +24,14 @@ def _train(args) -> int:
     from tandem.trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, resume=args.resume)
+    summary = train(cfg, resume=_start(args, "start"))
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _start(args, default: str) -> str:
+    """What the run does with its directory's previous run (`tandem.rundir.Start`), from the flags."""
+    return "resume" if args.resume else "resume_or_start" if args.resume_or_start else default
 
 
 def _demo(args) -> int:
@@ -37,7 +42,7 @@ def _demo(args) -> int:
     load_config(args.config, args.overrides, DEMO_DEFAULTS)  # refuse bad input before building anything
     path = demo_model()
     cfg = load_config(args.config, args.overrides, DEMO_DEFAULTS + [f"model.path={path}"])
-    summary = train(cfg, resume=args.resume)
+    summary = train(cfg, resume=_start(args, "replace"))  # the demo is meant to be rerun: it replaces its last run
     summary["wall_seconds_including_bootstrap"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
     return 0
@@ -60,7 +65,7 @@ def _eval(args) -> int:
     if args.k:
         overrides.append(f"eval.k={args.k}")
     cfg = load_config(args.config, overrides)
-    run = prepare(cfg, resume=False)
+    run = prepare(cfg, claim_output_dir=False)  # it writes nothing there, so it never waits on a training run
     try:
         print(json.dumps(run_eval(run), indent=2))
     finally:
@@ -88,13 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run GRPO from a YAML config with dotted overrides")
     t.add_argument("config", help="YAML config file")
     t.add_argument("overrides", nargs="*", help="key=value, e.g. algo.kl_coef=0.01 rollout.temperature=0.8")
-    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run.output_dir")
+    _resume_flags(t, "without either, a new run, refused where run.output_dir holds one with checkpoints")
     t.set_defaults(fn=_train)
 
     d = sub.add_parser("demo", help="build a tiny warm-started model (cached) and GRPO it on the arithmetic task")
     d.add_argument("overrides", nargs="*", help="key=value overrides of the demo config")
     d.add_argument("--config", help="a preset YAML (e.g. examples/dapo.yaml) layered over the demo's settings")
-    d.add_argument("--resume", action="store_true")
+    _resume_flags(d, "without either, the demo replaces the run in run.output_dir (saying what it removes)")
     d.set_defaults(fn=_demo)
 
     e = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on the configured task")
@@ -110,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--doc", action="store_true")
     c.set_defaults(fn=_config)
     return p
+
+
+def _resume_flags(p: argparse.ArgumentParser, otherwise: str) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest valid checkpoint in run.output_dir; refused where there is none")
+    g.add_argument("--resume-or-start", action="store_true",
+                   help=f"resume, or start a new run where run.output_dir holds none yet (nothing in it); {otherwise}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
+
+log = logging.getLogger("tandem.metrics")
+
+METRICS_FILE = "metrics.jsonl"
 
 # Curves drawn at the end of a run, if they were logged.
 PLOTTED = ["reward/mean", "eval/accuracy", "train/accuracy", "loss", "kl", "entropy", "completion/length_mean",
@@ -14,15 +20,12 @@ class MetricsLog:
     def __init__(self, output_dir: Path, tensorboard: bool, run_name: str, resume_step: int | None = None):
         self.dir = output_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "metrics.jsonl"
+        self.path = self.dir / METRICS_FILE
         self.history: list[dict] = []
-        if resume_step is not None and self.path.is_file():
-            # Steps logged after the checkpoint we resume from are redone: drop them so each step appears once.
-            kept = [json.loads(l) for l in self.path.read_text().splitlines() if l.strip()]
-            self.history = [r for r in kept if r.get("step", 0) <= resume_step]
-        elif self.path.exists():
-            self.path.unlink()
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        if resume_step is not None:
+            self.history = resume_history(self.path, resume_step)
+        else:
+            self.path.write_text("")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -80,6 +83,50 @@ class MetricsLog:
             best = min(vals) if k in ("loss", "logprob_diff") or k.startswith("time/") else max(vals)
             lines.append(f"{k:<28}{vals[0]:>12.4g}{vals[-1]:>12.4g}{best:>12.4g}")
         return "\n".join(lines)
+
+
+def resume_history(path: Path, step: int) -> list[dict]:
+    """The rows of `path` a run resumed from checkpoint `step` keeps, written back as the whole file.
+
+    Rows after `step` are redone by the resumed run, so they go, and a line among them that does not parse (the
+    tail a crash or a full disk tore: appends after the last checkpoint were never fsynced) goes with them, with
+    a warning. A line that does not parse before that is an error: it is history the resumed run would keep."""
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    kept: list[dict] = []
+    last_kept = 0  # its line number
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not an object with an integer 'step'")
+        except ValueError as exc:
+            rest = [n for n, later in enumerate(lines[number:], number + 1) if later.strip()]
+            if not rest or (kept and kept[-1]["step"] >= step):
+                log.warning("%s: line %d is torn or unreadable (%s); cutting the file back to line %d, the last "
+                            "one a resume from step %d keeps", path, number, _short(raw), last_kept, step)
+                break
+            raise ValueError(f"{path}:{number}: not a metrics row ({exc}): {_short(raw)}. This line is history "
+                             f"before the checkpoint (step {step}) the run resumes from: repair or delete it") from None
+        if row["step"] > step:
+            break
+        kept.append(row)
+        last_kept = number
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:  # a new file renamed over the old: a crash now cannot lose the history kept
+        f.write("".join(json.dumps(r) + "\n" for r in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept
+
+
+def _short(raw: bytes) -> str:
+    text = raw.decode(errors="replace")
+    return repr(text if len(text) <= 80 else text[:77] + "...")
 
 
 def _clean(v):

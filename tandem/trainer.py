@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict, deque
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,10 +15,11 @@ from tandem.algo import ADVANTAGES, first_k_groups, nonzero_variance_groups, ove
 from tandem.config import Config
 from tandem.data.sources import Prompt, PromptStream, load_task_rows, tokenize_rows
 from tandem.evaluation import evaluate
-from tandem.metrics import MetricsLog
+from tandem.metrics import METRICS_FILE, MetricsLog
 from tandem.modeling import check_model_folder, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.rollout import Completion, Sampling
+from tandem.rundir import RunLock, Start, claim
 from tandem.workers import placement
 from tandem.workers.group import Pending
 from tandem.workers.placement import PendingRollout, Placement, Rollout, Synced
@@ -38,10 +39,15 @@ class Run:
     resumed: bool = False
     rollouts: "Rollouts | None" = None
     last_finished: float = 0.0  # wall-clock end of the last finished step's weight sync
+    lock: RunLock | None = None  # on run.output_dir, for the run's lifetime (None: evaluation only)
 
     def close(self) -> None:
-        self.workers.shutdown()
-        self.scorer.close()
+        try:
+            self.workers.shutdown()
+            self.scorer.close()
+        finally:
+            if self.lock is not None:  # last: nothing of this run writes into the directory after it
+                self.lock.release()
 
 
 class Timer(defaultdict):
@@ -57,8 +63,10 @@ class Timer(defaultdict):
             self[phase] += time.perf_counter() - start
 
 
-def prepare(cfg: Config, resume: bool = False) -> Run:
-    """Check everything that can be checked (model folder, tokenizer, data, rewards), then start the workers."""
+def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool = True) -> Run:
+    """Check everything that can be checked (model folder, tokenizer, data, the run directory, rewards), then start
+    the workers. `resume`: True or False (`resume` / `start`), or a `tandem.rundir.Start`. `claim_output_dir=False`
+    (evaluation) neither locks nor reads run.output_dir."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     check_model_folder(cfg.model.path)
@@ -74,31 +82,31 @@ def prepare(cfg: Config, resume: bool = False) -> Run:
     else:
         eval_prompts = train[: d.eval_size]  # no held-out split given: say so in the logs
         log.warning("no data.eval_path: evaluating on the first %d training prompts", len(eval_prompts))
-    scorer = RewardScorer(cfg.rewards, timeout_s=cfg.reward_pool.timeout_s, workers=cfg.reward_pool.workers)
-    correct = cfg.rewards[0].name
-
-    out = Path(cfg.run.output_dir)
-    last = checkpoint.latest(out / "checkpoints") if resume else None
-    if resume and last is None:
-        log.warning("--resume: no checkpoint in %s, starting from step 0", out / "checkpoints")
-    try:
+    with ExitStack() as undo:  # what a start that fails before the run exists must close again
+        lock, last = None, None
+        if claim_output_dir:
+            start = {True: "resume", False: "start"}.get(resume, resume)
+            lock, last = claim(Path(cfg.run.output_dir), start)
+            undo.callback(lock.release)
+        scorer = RewardScorer(cfg.rewards, timeout_s=cfg.reward_pool.timeout_s, workers=cfg.reward_pool.workers)
+        undo.callback(scorer.close)  # its worker processes started early, to warm up while the models load
+        correct = cfg.rewards[0].name
         workers = placement.build(cfg)
-    except BaseException:
-        scorer.close()  # its worker processes started early, to warm up while the models load
-        raise
-    stream = PromptStream(train, cfg.run.seed)
-    start = 0
-    if last is not None:
-        state = checkpoint.load_state(last)
-        workers.load(str(last), state["step"])
-        stream.load_state_dict(state["data"])
-        start = state["step"]
-        changed = _changed_keys(state.get("config", {}), cfg.model_dump(mode="json"))
-        if changed:
-            log.warning("resuming with a config that differs from the checkpoint's in: %s", ", ".join(changed))
-        log.info("resumed from %s (step %d)", last, start)
-    run = Run(cfg, stream, eval_prompts, scorer, correct, workers, start, resumed=last is not None)
-    run.rollouts = Rollouts(run)
+        undo.callback(workers.shutdown)
+        stream = PromptStream(train, cfg.run.seed)
+        start_step = 0
+        if last is not None:
+            state = checkpoint.load_state(last)
+            workers.load(str(last), state["step"])
+            stream.load_state_dict(state["data"])
+            start_step = state["step"]
+            changed = _changed_keys(state.get("config", {}), cfg.model_dump(mode="json"))
+            if changed:
+                log.warning("resuming with a config that differs from the checkpoint's in: %s", ", ".join(changed))
+            log.info("resumed from %s (step %d)", last, start_step)
+        run = Run(cfg, stream, eval_prompts, scorer, correct, workers, start_step, resumed=last is not None, lock=lock)
+        run.rollouts = Rollouts(run)
+        undo.pop_all()
     return run
 
 
@@ -287,11 +295,12 @@ def run_eval(run: Run) -> dict[str, float]:
 
 def save(run: Run, step: int) -> Path:
     state = {"step": step, "data": run.rollouts.resume_state(), "config": run.cfg.model_dump(mode="json")}
-    return checkpoint.save(Path(run.cfg.run.output_dir) / "checkpoints", step, run.workers.save, state,
-                           run.cfg.run.keep_checkpoints)
+    out = Path(run.cfg.run.output_dir)
+    return checkpoint.save(out / "checkpoints", step, run.workers.save, state, run.cfg.run.keep_checkpoints,
+                           flush_first=[out / METRICS_FILE])
 
 
-def train(cfg: Config, resume: bool = False) -> dict[str, float]:
+def train(cfg: Config, resume: bool | Start = False) -> dict[str, float]:
     """Run GRPO as configured; returns the final evaluation (and the first one, when this run made it)."""
     run = prepare(cfg, resume)
     r = cfg.run

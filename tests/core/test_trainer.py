@@ -79,7 +79,7 @@ def test_checkpoint_is_a_plain_hf_folder_and_survives_a_failed_save(tiny_model, 
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(out / "checkpoints", 3, crash, {"step": 3}, keep=1)
     assert checkpoint.latest(out / "checkpoints") == last  # the half-written one is invisible
-    assert (out / "checkpoints" / "step-00000003.tmp").exists()
+    assert not (out / "checkpoints" / "step-00000003.tmp").exists()  # and removed on the way out (kill -9 cannot)
     assert [s for s, _ in checkpoint.checkpoints(out / "checkpoints")] == [1, 2]
 
 

@@ -1,0 +1,329 @@
+"""The run directory: one run at a time, no resume into a typo, metrics and checkpoints that survive damage."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem import checkpoint, trainer
+from tandem.cli import main
+from tandem.config import load_config
+from tandem.metrics import MetricsLog
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = {
+    "run": {"steps": 2, "save_every": 1, "keep_checkpoints": 2, "progress": False, "tensorboard": False,
+            "plots": False, "seed": 3, "eval_every": 0},
+    "batch": {"prompts_per_step": 2, "group_size": 2, "micro_batch_tokens": 64},
+    "rollout": {"max_new_tokens": 4}, "data": {"max_prompt_tokens": 8, "eval_size": 4},
+    "rewards": [{"name": "arithmetic_exact"}], "reward_pool": {"workers": 0},
+}
+
+
+def config(model: Path, out: Path, *extra: str):
+    overrides = [f"{section}.{k}={json.dumps(v)}" for section, kv in SETTINGS.items() if isinstance(kv, dict)
+                 for k, v in kv.items()]
+    return load_config(None, [*overrides, f"rewards={json.dumps(SETTINGS['rewards'])}", f"model.path={model}",
+                              f"run.output_dir={out}", *extra])
+
+
+def config_file(model: Path, out: Path, folder: Path, **run) -> Path:
+    settings = json.loads(json.dumps(SETTINGS))
+    settings["model"] = {"path": str(model)}
+    settings["run"].update(output_dir=str(out), **run)
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Fail the test if the run gets as far as starting workers (loading models)."""
+    def build(cfg):
+        raise AssertionError("models loaded: the run directory should have been refused first")
+
+    monkeypatch.setattr(trainer.placement, "build", build)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model, tmp_path_factory):
+    """A 2-step run with checkpoints at steps 1 and 2, and what was fsynced and renamed while it ran, in order."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(src, dst, *a, **k):
+        events.append(("rename", f"{src} -> {dst}"))
+        return real_rename(src, dst, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", fsync)
+        mp.setattr(os, "rename", rename)
+        trainer.train(config(tiny_model, out))
+    return out, events
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst)
+    return dst
+
+
+def metrics_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- one run at a time ---------------------------------------------------------------------------------------
+
+
+def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_is_taken_over(
+        tiny_model, tmp_path, no_models, monkeypatch, caplog, capsys):
+    out = tmp_path / "run"
+    yml = config_file(tiny_model, out, tmp_path, steps=100000, save_every=0)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    holder = subprocess.Popen([sys.executable, "-m", "tandem.cli", "train", str(yml)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists():  # its step-0 evaluation is logged: it is training
+            assert holder.poll() is None, "the first run died"
+            assert time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.2)
+        start = time.perf_counter()
+        assert main(["train", str(yml)]) == 2
+        assert time.perf_counter() - start < 30  # refused before any model loads (no_models)
+        err = capsys.readouterr().err
+        assert str(out) in err and f"pid {holder.pid}" in err and socket.gethostname() in err, err
+        assert "since" in err and "run.output_dir" in err, err
+        holder.kill()  # kill -9: no chance to release anything
+        holder.wait(30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(30)
+    # the lock is free again (the kernel dropped it); the next run takes over and names the dead holder
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        run = trainer.prepare(config(tiny_model, out))
+    try:
+        assert any(f"pid {holder.pid}" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        run.close()
+    from tandem.rundir import RunLock
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        RunLock.take(out).release()
+    assert "taking over" not in caplog.text  # released by close, cleanly: nothing to take over
+
+
+def test_a_failed_start_releases_the_directory(tiny_model, tmp_path, no_models):
+    out = tmp_path / "run"
+    for _ in range(2):  # the second attempt is not refused as "in use" by the first
+        with pytest.raises(AssertionError, match="models loaded"):
+            trainer.prepare(config(tiny_model, out))
+
+
+# -- what a start may do with what it finds ------------------------------------------------------------------
+
+
+def test_resume_into_a_directory_without_a_checkpoint_is_refused(tiny_model, tmp_path, no_models, capsys):
+    typo = tmp_path / "rnu"
+    assert main(["train", str(config_file(tiny_model, typo, tmp_path)), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert str(typo) in err and "does not exist" in err and "--resume-or-start" in err, err
+    assert not typo.exists()  # a typo does not leave a directory behind
+    # a directory a run left without any checkpoint: neither flag starts over it
+    left = tmp_path / "left"
+    left.mkdir()
+    (left / "metrics.jsonl").write_text('{"step": 0}\n')
+    for flag in ("--resume", "--resume-or-start"):
+        assert main(["train", str(config_file(tiny_model, left, tmp_path)), flag]) == 2
+        err = capsys.readouterr().err
+        assert str(left) in err and "metrics.jsonl" in err and "no checkpoint" in err, err
+    assert (left / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_resume_or_start_starts_in_a_new_directory(tiny_model, tmp_path):
+    out = tmp_path / "new"
+    run = trainer.prepare(config(tiny_model, out), "resume_or_start")
+    try:
+        assert run.start_step == 0 and not run.resumed
+    finally:
+        run.close()
+
+
+def test_a_fresh_start_over_a_run_with_checkpoints_is_refused(finished_run, tmp_path, tiny_model, no_models,
+                                                             capsys):
+    out = copy_of(finished_run[0], tmp_path)
+    before = (out / "metrics.jsonl").read_text()
+    assert main(["train", str(config_file(tiny_model, out, tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "--resume" in err and "step 2" in err, err
+    assert (out / "metrics.jsonl").read_text() == before
+    assert [s for s, _ in checkpoint.checkpoints(out / "checkpoints")] == [1, 2]
+
+
+def test_replace_says_what_it_removes(finished_run, tmp_path, caplog):
+    from tandem.rundir import claim
+
+    out = copy_of(finished_run[0], tmp_path)
+    (out / "notes.txt").write_text("mine")
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        lock, last = claim(out, "replace")
+    lock.release()
+    assert last is None
+    assert "checkpoints" in caplog.text and "metrics.jsonl" in caplog.text and str(out) in caplog.text
+    assert sorted(p.name for p in out.iterdir() if p.name != "tandem.lock") == ["notes.txt"]  # not the user's file
+
+
+# -- metrics.jsonl -------------------------------------------------------------------------------------------
+
+
+def test_metrics_are_on_disk_before_the_checkpoint_that_covers_them_is_published(finished_run):
+    out, events = finished_run
+    metrics = str(out / "metrics.jsonl")
+    for step in (1, 2):
+        publish = next(i for i, (kind, what) in enumerate(events)
+                       if kind == "rename" and what.endswith(f"step-{step:08d}"))
+        assert any(e == ("fsync", metrics) for e in events[:publish]), f"step {step}: metrics not fsynced first"
+
+
+def test_a_torn_last_line_is_cut_with_a_warning(tmp_path, caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = [json.dumps({"step": s, "loss": 0.5}) for s in range(4)]
+    (out / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 4, "lo')  # disk full mid-append
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        log = MetricsLog(out, False, "run", resume_step=3)
+    log.close()
+    assert [r["step"] for r in log.history] == [0, 1, 2, 3]
+    assert metrics_steps(out) == [0, 1, 2, 3]
+    assert str(out / "metrics.jsonl") in caplog.text and "line 5" in caplog.text
+
+
+def test_a_bad_line_in_the_middle_names_the_file_and_line(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = [json.dumps({"step": s}) for s in range(4)]
+    rows[2] = rows[2][:5]
+    (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match=rf"{out / 'metrics.jsonl'}:3"):
+        MetricsLog(out, False, "run", resume_step=3)
+
+
+def test_resume_with_a_torn_metrics_line_continues(finished_run, tmp_path, tiny_model):
+    out = copy_of(finished_run[0], tmp_path)
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "reward/me')  # a later step's line, torn by a crash
+    trainer.train(config(tiny_model, out, "run.steps=3"), resume=True)
+    assert metrics_steps(out) == [0, 1, 2, 3]
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------------
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+CORRUPTIONS = {
+    "trainer_state.json": lambda ck: (ck / "trainer_state.json").write_text('{"step": 2, "da'),
+    "rng.pt": lambda ck: (ck / "rng.pt").unlink(),
+    "model.safetensors": lambda ck: _truncate(ck / "model.safetensors"),
+    "optimizer.pt": lambda ck: _truncate(ck / "optimizer.pt"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(CORRUPTIONS))
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_path, tiny_model, caplog,
+                                                                    broken):
+    out = copy_of(finished_run[0], tmp_path)
+    CORRUPTIONS[broken](out / "checkpoints" / "step-00000002")
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        run = trainer.prepare(config(tiny_model, out), resume=True)
+    run.close()
+    assert run.resumed and run.start_step == 1
+    assert "step-00000002" in caplog.text and broken in caplog.text, caplog.text
+    assert [s for s, _ in checkpoint.checkpoints(out / "checkpoints")] == [1]  # the bad one is set aside
+    assert metrics_steps(out) == [0, 1]  # the steps after the checkpoint resumed from are redone
+
+
+def test_no_valid_checkpoint_lists_what_is_wrong(finished_run, tmp_path, tiny_model, no_models):
+    out = copy_of(finished_run[0], tmp_path)
+    CORRUPTIONS["rng.pt"](out / "checkpoints" / "step-00000001")
+    CORRUPTIONS["model.safetensors"](out / "checkpoints" / "step-00000002")
+    with pytest.raises(ValueError) as err:
+        trainer.prepare(config(tiny_model, out), resume=True)
+    msg = str(err.value)
+    assert "step-00000001" in msg and "rng.pt" in msg and "step-00000002" in msg and "model.safetensors" in msg, msg
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]  # as found
+
+
+def test_a_failed_checkpoint_write_removes_its_temporary_folder(finished_run, tmp_path):
+    root = copy_of(finished_run[0], tmp_path) / "checkpoints"
+
+    def full_disk(folder):
+        (Path(folder) / "model.safetensors").write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as err:
+        checkpoint.save(root, 3, full_disk, {"step": 3}, keep=2)
+    assert err.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+# -- an unwritable directory ---------------------------------------------------------------------------------
+
+
+def test_an_output_dir_that_cannot_be_created_is_found_before_models_load(tiny_model, tmp_path, no_models, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "run"
+    assert main(["train", str(config_file(tiny_model, out, tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "Not a directory" in err, err
+
+
+def _read_only(folder: Path) -> list[str] | None:
+    """A command prefix under which `folder` is read-only even for root, or None where none can be had here."""
+    if os.geteuid() != 0:
+        folder.chmod(0o500)
+        return []
+    if not shutil.which("unshare"):
+        return None
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind -o ro '{folder}' '{folder}'"],
+                           capture_output=True)
+    return None if probe.returncode else ["unshare", "-m", "sh", "-c",
+                                          f"mount --bind -o ro '{folder}' '{folder}' && exec \"$@\"", "sh"]
+
+
+def test_a_read_only_output_dir_is_found_before_models_load(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    yml = config_file(tiny_model, out, tmp_path)
+    prefix = _read_only(out)
+    if prefix is None:
+        pytest.skip("running as root without mount namespaces: no way to make a directory read-only here")
+    try:
+        r = subprocess.run([*prefix, sys.executable, "-m", "tandem.cli", "train", str(yml)], capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    finally:
+        out.chmod(0o700)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert str(out) in r.stderr and ("Read-only file system" in r.stderr or "Permission denied" in r.stderr), r.stderr
+    assert "Traceback" not in r.stderr
