@@ -219,7 +219,22 @@ class RewardPoolConfig(Section):
     )
     workers: int | None = Field(
         None, ge=0, description="Reward worker processes; None = one per core (at most 4); 0 = run every reward in "
-        "the trainer process, without time limits. Inline rewards (cheap built-ins) never use the pool.",
+        "the trainer process, without per-call time limits. Inline rewards (cheap built-ins) never use the pool.",
+    )
+    step_budget_s: float = Field(
+        300.0, gt=0.0, description="Time for scoring one batch (a step's samples, or an evaluation's). When it runs "
+        "out, the calls in flight are killed and every sample not scored yet scores 0, counted as "
+        "reward/errors/<name>/budget; time/reward_budget_used is the share a step used. Inline rewards run first "
+        "and are never interrupted, only not started. 300 s is far above what working rewards take (the demo's 256 "
+        "samples score in well under a second) and far below the 21 minutes a reward that hangs on every sample "
+        "would cost a demo-sized step (256 x timeout_s / 2 workers).",
+    )
+    max_error_rate: float = Field(
+        0.5, ge=0.0, le=1.0, description="Stop the run when a reward fails (any kind, budget included) on more than "
+        "this fraction of the samples of the last 3 steps; the error names the reward, its rate and its last error. "
+        "reward/error_rate/<name> is each step's fraction. 0.5: a reward that cannot work (an import error, a "
+        "missing row field, a hang) fails on ~100% from step 1, while a few bad rows or timeouts are a few percent; "
+        "the window keeps one bad step from stopping the run. 1 = never stop. Evaluation does not count.",
     )
 
 

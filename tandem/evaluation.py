@@ -4,7 +4,7 @@ from __future__ import annotations
 from math import comb
 
 from tandem.data.sources import Prompt
-from tandem.rewards.base import RewardScorer
+from tandem.rewards.base import RewardResult, RewardScorer
 from tandem.rollout.base import Sampling
 
 
@@ -20,12 +20,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_reward: str, max_new_tokens: int,
              k: int = 1, temperature: float = 1.0, seed: int = 0, stop: tuple[str, ...] = ()) -> dict[str, float]:
-    """`generate(prompt_ids, sampling) -> completions`. A sample is correct when `correct_reward` scores >= 1."""
+    """`generate(prompt_ids, sampling) -> completions`. A sample is correct when `correct_reward` scores >= 1.
+    A reward that fails scores 0 here as in training, and is counted: `reward_errors/<name>[/<kind>]`, over the
+    greedy and the sampled pass."""
     ids = [p.ids for p in prompts]
     rows = [p.row for p in prompts]
-    out = {}
+    out: dict[str, float] = {}
+
+    def count_errors(res: RewardResult) -> None:
+        for name, n in res.errors.items():
+            out[f"reward_errors/{name}"] = out.get(f"reward_errors/{name}", 0) + n
+        for name, kinds in res.error_kinds.items():
+            for kind, n in kinds.items():
+                out[f"reward_errors/{name}/{kind}"] = out.get(f"reward_errors/{name}/{kind}", 0) + n
+
     greedy = generate(ids, Sampling(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stop, seed=seed))
     res = scorer.score([c.text for c in greedy], [r["question"] for r in rows], rows)
+    count_errors(res)
     correct = [s >= 1.0 for s in res.per_fn[correct_reward]]
     out["accuracy"] = sum(correct) / len(correct)
     out["reward"] = sum(res.total) / len(res.total)
@@ -34,6 +45,7 @@ def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_rewa
                                          seed=seed))
         res = scorer.score([c.text for c in sampled], [rows[c.prompt_index]["question"] for c in sampled],
                            [rows[c.prompt_index] for c in sampled])
+        count_errors(res)
         hits = [0] * len(prompts)
         for c, s in zip(sampled, res.per_fn[correct_reward]):
             hits[c.prompt_index] += s >= 1.0

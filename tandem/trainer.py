@@ -88,7 +88,9 @@ def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool
             start = {True: "resume", False: "start"}.get(resume, resume)
             lock, last = claim(Path(cfg.run.output_dir), start)
             undo.callback(lock.release)
-        scorer = RewardScorer(cfg.rewards, timeout_s=cfg.reward_pool.timeout_s, workers=cfg.reward_pool.workers)
+        pool = cfg.reward_pool
+        scorer = RewardScorer(cfg.rewards, timeout_s=pool.timeout_s, workers=pool.workers,
+                              step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate)
         undo.callback(scorer.close)  # its worker processes started early, to warm up while the models load
         correct = cfg.rewards[0].name
         workers = placement.build(cfg)
@@ -171,6 +173,7 @@ def collect(run: Run, step: int, t: Timer) -> tuple[list[Completion], list[float
     per_fn: dict[str, list[float]] = defaultdict(list)
     totals: list[float] = []
     rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
+    scored, errors, last_error = 0, defaultdict(int), {}  # over the step's rounds: the error-rate limit's input
     for rnd in range(rounds):
         batch, rollout = run.rollouts.take(step, rnd, t)
         new = rollout.completions
@@ -185,8 +188,12 @@ def collect(run: Run, step: int, t: Timer) -> tuple[list[Completion], list[float
         with t("reward"):
             rows = [batch[c.prompt_index].row for c in new]
             res = run.scorer.score([c.text for c in new], [r["question"] for r in rows], rows)
+        scored += len(new)
+        last_error.update(res.last_error)
+        stats["time/reward_budget_used"] = max(stats["time/reward_budget_used"], res.budget_used)
         for name, n_err in res.errors.items():
             stats[f"reward/errors/{name}"] += n_err
+            errors[name] += n_err
         for name, kinds in res.error_kinds.items():
             for kind, n_err in kinds.items():
                 stats[f"reward/errors/{name}/{kind}"] += n_err
@@ -210,6 +217,7 @@ def collect(run: Run, step: int, t: Timer) -> tuple[list[Completion], list[float
                 totals = [totals[i] for i in idx]
                 per_fn = {k: [v[i] for i in idx] for k, v in per_fn.items()}
                 break
+    stats.update(run.scorer.error_limit.observe(scored, errors, last_error))  # raises: stop before training on it
     for name, scores in per_fn.items():
         t_scores = torch.tensor(scores, dtype=torch.float64)
         stats[f"reward/{name}"] = float(t_scores.mean())

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -47,14 +51,26 @@ def register_reward(name: str, batched: bool = False, inline: bool = False):
 
 
 def resolve_reward(name: str) -> RewardFn:
-    """A registered name, or a user plugin given by import path `package.module:function`."""
+    """A registered name, or a user plugin given by import path `package.module:function`, looked for on sys.path
+    and in the current directory (where `python -m tandem.cli` finds it, and the `tandem` script, whose sys.path[0]
+    is its bin folder, would not)."""
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
         import importlib
 
         module, _, attr = name.partition(":")
-        fn = getattr(importlib.import_module(module), attr)
+        if os.getcwd() not in sys.path:  # appended, so an installed module of the same name still wins
+            sys.path.append(os.getcwd())
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except ImportError as exc:
+            raise ValueError(f"reward plugin {name!r}: cannot import {module!r} ({type(exc).__name__}: {exc}); a "
+                             f"plugin module must be in the current directory ({os.getcwd()}) or on PYTHONPATH")
+        except AttributeError:
+            raise ValueError(f"reward plugin {name!r}: module {module!r} has no function {attr!r}") from None
+        if not callable(fn):
+            raise ValueError(f"reward plugin {name!r}: {attr!r} is a {type(fn).__name__}, not a function")
         return RewardFn(name, fn, bool(getattr(fn, "batched", False)), bool(getattr(fn, "inline", False)))
     import difflib
 
@@ -68,7 +84,9 @@ class RewardResult:
     total: list[float]  # weighted sum per sample
     per_fn: dict[str, list[float]]  # each function's raw score per sample
     errors: dict[str, int] = field(default_factory=dict)  # samples each function failed on (scored 0)
-    error_kinds: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> raised/bad_value/timeout/crashed/pool
+    error_kinds: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> raised/bad_value/timeout/...
+    last_error: dict[str, str] = field(default_factory=dict)  # name -> "kind: message" of its last failed sample
+    budget_used: float = 0.0  # the call's time as a fraction of the step budget (1.0: it ran out)
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """`reward/total`, `reward/<name>` (each function's mean), `reward/errors/<name>` and
@@ -81,8 +99,83 @@ class RewardResult:
         return out
 
 
+class RewardErrorRateExceeded(ValueError):
+    """A reward failed on more of the recent samples than `reward_pool.max_error_rate` allows. A ValueError, so the
+    command line prints it as one line: it is the user's reward (or its input) that needs fixing."""
+
+
+class ErrorRateLimit:
+    """Stops a run whose reward fails on most samples instead of training on its zeros (the silent-zero class of
+    bug: a reward that cannot import, reads a missing field, or hangs everywhere still "scores" every sample).
+    The rate is taken over the samples of the last `window` steps, so one bad step after good ones does not stop
+    the run, while a reward broken from the start stops it at step 1."""
+
+    def __init__(self, max_rate: float, window: int = 3):
+        self.max_rate = max_rate
+        self._steps: deque[tuple[int, Mapping[str, int]]] = deque(maxlen=window)
+
+    def observe(self, samples: int, errors: Mapping[str, int], last_error: Mapping[str, str]) -> dict[str, float]:
+        """Record one step's counts; its `reward/error_rate/<name>`. Raises RewardErrorRateExceeded when a
+        function's rate over the window is above `max_rate`."""
+        self._steps.append((samples, dict(errors)))
+        total = sum(n for n, _ in self._steps)
+        steps = f"{len(self._steps)} step{'s' * (len(self._steps) > 1)}"
+        over = []
+        for name in errors:
+            failed = sum(e.get(name, 0) for _, e in self._steps)
+            if total and failed / total > self.max_rate:
+                over.append(f"reward {name!r} failed on {failed / total:.0%} of the last {total} samples ({steps}), "
+                            f"its last error: {last_error.get(name, 'unknown')}")
+        if over:
+            raise RewardErrorRateExceeded(
+                f"{'; '.join(over)}. That is over reward_pool.max_error_rate={self.max_rate:g}, and training on "
+                f"its zeros would teach nothing: fix the reward (reward/errors/<name>/<kind> in metrics.jsonl counts "
+                f"each kind of failure), or raise reward_pool.max_error_rate (1 never stops)")
+        return {f"reward/error_rate/{name}": n / samples if samples else 0.0 for name, n in errors.items()}
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+# What a reward may raise and still be only a failure of its sample, wherever it runs: any Exception, and
+# SystemExit (a reward that calls sys.exit()). KeyboardInterrupt is not: in the trainer's process it is the user's
+# Ctrl-C and stops the run; a pool worker never gets the user's (its own session), so there one is a crash.
+REWARD_FAILURES = (Exception, SystemExit)
+
+# An outcome per sample: (score, "", "") or (None, kind, message).
+Outcome = tuple[float | None, str, str]
+
+
+def call_one(fn: Callable[..., Any], args: tuple, kwargs: Mapping) -> Outcome:
+    """One per-sample call, its failures classified: `raised` (an exception or sys.exit) or `bad_value`."""
+    try:
+        value = fn(*args, **kwargs)
+    except REWARD_FAILURES as exc:
+        return None, "raised", repr(exc)[:500]
+    try:
+        return _finite(value), "", ""
+    except Exception as exc:  # a __float__ may raise anything
+        return None, "bad_value", str(exc)[:500]
+
+
+def call_batched(fn: Callable[..., Any], completions: list, prompts: list, rows: list,
+                 kwargs: Mapping) -> list[Outcome]:
+    """One batched call; when it raises or returns the wrong number of scores, its whole batch failed."""
+    n = len(completions)
+    try:
+        values = list(fn(completions, prompts, rows, **kwargs))
+        if len(values) != n:
+            raise ValueError(f"returned {len(values)} scores for {n} completions")
+    except REWARD_FAILURES as exc:
+        return [(None, "raised", repr(exc)[:500])] * n
+    out: list[Outcome] = []
+    for value in values:
+        try:
+            out.append((_finite(value), "", ""))
+        except Exception as exc:
+            out.append((None, "bad_value", str(exc)[:500]))
+    return out
 
 
 def _finite(value: Any) -> float:
@@ -128,18 +221,41 @@ class _Entry:
     fn_bytes: bytes | None  # set when it runs in the pool
 
 
+class RewardSetupError(ValueError):
+    """A reward cannot run here as configured (its `preflight` check failed): the run stops before models load."""
+
+
+def _preflight(name: str, rf: RewardFn, kwargs: dict) -> None:
+    """A reward may carry `fn.preflight(**kwargs)`, run once when a scorer is built (the code sandbox's self-test):
+    its failure, or kwargs the reward does not take, stop the run now instead of scoring every sample 0."""
+    check = getattr(rf.fn, "preflight", None)
+    if not callable(check):
+        return
+    try:
+        check(**kwargs)
+    except Exception as exc:
+        raise RewardSetupError(f"reward {name!r} cannot run: {exc}") from exc
+
+
 class RewardScorer:
     """Scores completions with a weighted sum of named rewards.
 
     Inline rewards run in this process; the others run in a pool of `workers` processes where each call has
     `timeout_s` (a batched function's one call covers its whole batch). `workers=0` runs everything inline with no
-    time limit (debugging). A reward that raises, hangs, crashes its worker, or returns a non-finite or
-    non-numeric value scores 0 for that sample, is counted in `errors[name]` and `error_kinds[name][kind]`, and is
-    logged once per function and kind with the sample, so training goes on and nothing fails silently.
+    time limit (debugging). One `score()` call has `step_budget_s` in all: inline rewards run first (they are
+    cheap), the pool gets what is left, and when it runs out the calls in flight are killed and every sample not
+    scored yet scores 0 (kind `budget`); an inline call is never interrupted, only not started. A reward that
+    raises (sys.exit() included), hangs, crashes its worker, or returns a non-finite or non-numeric value scores 0
+    for that sample, is counted in `errors[name]` and `error_kinds[name][kind]`, and is logged once per function
+    and kind with the sample, so training goes on and nothing fails silently. `error_limit` is the trainer's check
+    that a reward does not fail on most samples (`max_error_rate`).
     """
 
-    def __init__(self, specs: Sequence[Any], *, timeout_s: float = 10.0, workers: int | None = None):
+    def __init__(self, specs: Sequence[Any], *, timeout_s: float = 10.0, workers: int | None = None,
+                 step_budget_s: float = math.inf, max_error_rate: float = 1.0):
         self.timeout_s = float(timeout_s)
+        self.step_budget_s = float(step_budget_s)
+        self.error_limit = ErrorRateLimit(max_error_rate)
         self.workers = default_workers() if workers is None else int(workers)
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # one score() at a time: the pool drives its workers from one caller
@@ -147,6 +263,7 @@ class RewardScorer:
         for spec in specs:  # (name, weight, kwargs) tuples or config RewardSpec objects
             name, weight, kwargs = (spec.name, spec.weight, spec.kwargs) if hasattr(spec, "name") else spec
             rf = resolve_reward(name)
+            _preflight(name, rf, dict(kwargs or {}))
             key, k = name, 2
             while any(e.key == key for e in entries):
                 key, k = f"{name}_{k}", k + 1
@@ -172,40 +289,26 @@ class RewardScorer:
             log.warning("reward %r failed (%s; scored 0, counted in reward/errors/%s): %s on completion %r",
                         name, kind, name, message, completion[:200])
 
-    def _inline(self, e: _Entry, completions, prompts, rows) -> list[tuple[float | None, str, str]]:
-        n = len(completions)
-        if e.rf.batched:
-            try:
-                raw = list(e.rf.fn(completions, prompts, rows, **e.kwargs))
-                if len(raw) != n:
-                    raise ValueError(f"returned {len(raw)} scores for {n} completions")
-            except Exception as exc:  # the whole batch failed
-                return [(None, "raised", repr(exc)[:500])] * n
-        else:
-            raw = []
-            for i in range(n):
-                try:
-                    raw.append(e.rf.fn(completions[i], prompts[i], rows[i], **e.kwargs))
-                except Exception as exc:
-                    raw.append(_Raised(repr(exc)[:500]))
-        out = []
-        for v in raw:
-            if isinstance(v, _Raised):
-                out.append((None, "raised", v.message))
-                continue
-            try:
-                out.append((_finite(v), "", ""))
-            except Exception as exc:
-                out.append((None, "bad_value", str(exc)[:500]))
-        return out
+    def _out_of_budget(self) -> Outcome:
+        return None, "budget", (f"not scored: the step's reward budget ran out (reward_pool.step_budget_s="
+                                f"{self.step_budget_s:g})")
 
-    def _pooled(self, entries: list[_Entry], completions, prompts, rows) -> dict[str, list]:
+    def _inline(self, e: _Entry, completions, prompts, rows, deadline: float) -> list[Outcome]:
+        n = len(completions)
+        if time.monotonic() >= deadline:
+            return [self._out_of_budget()] * n
+        if e.rf.batched:
+            return call_batched(e.rf.fn, completions, prompts, rows, e.kwargs)
+        return [call_one(e.rf.fn, (completions[i], prompts[i], rows[i]), e.kwargs) if time.monotonic() < deadline
+                else self._out_of_budget() for i in range(n)]
+
+    def _pooled(self, entries: list[_Entry], completions, prompts, rows, deadline: float) -> dict[str, list]:
         from tandem.rewards.pool import Job
 
         items = tuple((i, completions[i], prompts[i], rows[i]) for i in range(len(completions)))
         jobs = [Job(e.key, e.fn_bytes, e.kwargs, e.rf.batched, items) for e in entries]
         try:
-            res = self._pool.run(jobs, self.timeout_s)
+            res = self._pool.run(jobs, self.timeout_s, deadline, self._out_of_budget()[2])
         except Exception as exc:  # a bug in the pool must not stop training either
             log.exception("reward pool failed; scoring its rewards 0 this step")
             return {e.key: [(None, "pool", repr(exc)[:500])] * len(items) for e in entries}
@@ -221,23 +324,28 @@ class RewardScorer:
         n = len(completions)
         if not (len(prompts) == len(rows) == n):
             raise ValueError(f"score: {n} completions, {len(prompts)} prompts, {len(rows)} rows")
+        start = time.monotonic()
+        deadline = start + self.step_budget_s
         outcomes: dict[str, list] = {}
+        for e in self.entries:  # inline first: cheap, so a hanging pooled reward cannot starve them
+            if e.fn_bytes is None:
+                outcomes[e.key] = self._inline(e, completions, prompts, rows, deadline)
         pooled = [e for e in self.entries if e.fn_bytes is not None]
         if pooled and n:
-            outcomes.update(self._pooled(pooled, completions, prompts, rows))
-        for e in self.entries:
-            if e.fn_bytes is None:
-                outcomes[e.key] = self._inline(e, completions, prompts, rows)
+            outcomes.update(self._pooled(pooled, completions, prompts, rows, deadline))
+        seconds = time.monotonic() - start
         total = [0.0] * n
         per_fn: dict[str, list[float]] = {}
         errors: dict[str, int] = {}
         kinds: dict[str, dict[str, int]] = {}
+        last: dict[str, str] = {}
         for e in self.entries:
             scores = [0.0] * n
             counts: dict[str, int] = {}
             for i, (value, kind, message) in enumerate(outcomes.get(e.key, [])):
                 if value is None:
                     counts[kind] = counts.get(kind, 0) + 1
+                    last[e.key] = f"{kind}: {message}"
                     self._fail(e.key, kind, message, completions[i])
                 else:
                     scores[i] = value
@@ -245,7 +353,11 @@ class RewardScorer:
             per_fn[e.key] = scores
             errors[e.key] = sum(counts.values())
             kinds[e.key] = counts
-        return RewardResult(total, per_fn, errors, kinds)
+        over = {name: c["budget"] for name, c in kinds.items() if c.get("budget")}
+        if over:  # every time, not once: each step it happens costs the whole budget
+            log.warning("the reward budget ran out after %.1f s (reward_pool.step_budget_s=%g); not scored, so 0: %s",
+                        seconds, self.step_budget_s, ", ".join(f"{k} on {v} samples" for k, v in over.items()))
+        return RewardResult(total, per_fn, errors, kinds, last, seconds / self.step_budget_s)
 
     def close(self) -> None:
         """Stop the worker pool (idempotent)."""
@@ -259,7 +371,3 @@ class RewardScorer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-@dataclass(frozen=True)
-class _Raised:
-    message: str

@@ -5,14 +5,16 @@ the second breaks the whole pool when a worker dies), and their spawn start meth
 `__main__` (and with it torch) in every worker. Workers here are plain `python -m tandem.rewards.worker`
 subprocesses (started without fork, so safe from a process with threads; they import only `tandem.rewards`),
 each in its own session, fed chunks of samples and answering per sample, so the time limit is per call while
-the pipe round-trips are per chunk. When a call overruns, its worker's process group is killed, that sample scores
-an error, the rest of its chunk goes back on the queue, and a fresh worker starts in its place.
+the pipe round-trips are per chunk. When a call overruns, its worker and every process below it are killed
+(`proctree`: the worker adopts its orphans, so a reward's `setsid` or double-forked process is found too), that
+sample scores an error, the rest of its chunk goes back on the queue, and a fresh worker starts in its place.
+When a `run()`'s deadline (the step's reward budget) passes, the calls in flight are killed the same way and
+everything not scored yet is settled as `budget`.
 """
 from __future__ import annotations
 
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping
+
+from tandem.rewards.proctree import kill_tree
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Job:
 @dataclass(frozen=True)
 class Outcome:
     value: float | None  # None: the call failed, see kind
-    kind: str = ""  # "", raised, bad_value, timeout, crashed, pool
+    kind: str = ""  # "", raised, bad_value, timeout, crashed, pool, budget
     message: str = ""
 
 
@@ -70,10 +74,7 @@ class _Worker:
         self.deadline = math.inf
 
     def kill(self) -> int | None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and anything a reward started in its group
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_tree(self.proc.pid)  # the worker and everything a reward started, whatever its session
         rc = self.proc.wait()
         for conn in (self.tx, self.rx):
             try:
@@ -110,8 +111,10 @@ class RewardPool:
         return [Job(job.key, job.fn_bytes, job.kwargs, False, job.items[i:i + size])
                 for i in range(0, len(job.items), size)]
 
-    def run(self, jobs: list[Job], timeout_s: float) -> dict[str, dict[int, Outcome]]:
-        """Every item of every job gets an Outcome; never raises for what a reward does, never waits unbounded."""
+    def run(self, jobs: list[Job], timeout_s: float, deadline: float = math.inf,
+            budget_message: str = "the reward budget ran out") -> dict[str, dict[int, Outcome]]:
+        """Every item of every job gets an Outcome by `deadline` (time.monotonic()); never raises for what a reward
+        does, never waits unbounded."""
         out: dict[str, dict[int, Outcome]] = {job.key: {} for job in jobs}
         queue: deque[Job] = deque(c for job in jobs for c in self._chunks(job, self.n))
 
@@ -145,6 +148,20 @@ class RewardPool:
             if rest:
                 queue.appendleft(Job(job.key, job.fn_bytes, job.kwargs, False, rest))
 
+        def out_of_time(message: str) -> None:
+            while queue:
+                job = queue.popleft()
+                settle(job, [it[0] for it in job.items], "budget", message)
+            for w in list(self._workers):
+                if w.job is not None:
+                    job, pending = w.job, list(w.pending)
+                    w.job = None
+                    self.restarts += 1
+                    self._replace(w)
+                    running = len(pending) if job.batched else 1
+                    settle(job, pending[:running], "budget", f"{message} during this call; its worker was killed")
+                    settle(job, pending[running:], "budget", message)
+
         for w in list(self._workers):  # notice workers that became ready (or died) since the last call
             if not w.ready:
                 self._drain(w, out, fail_current, timeout_s)
@@ -158,11 +175,14 @@ class RewardPool:
                     settle(job, [it[0] for it in job.items], "pool", "reward workers fail to start")
                 continue
             now = time.monotonic()
+            if now >= deadline:
+                out_of_time(budget_message)
+                break
             watched = [w for w in self._workers if w.job is not None or not w.ready]
             if not watched:
                 continue
             deadlines = [w.deadline if w.ready else w.started + self.startup_timeout_s for w in watched]
-            ready = wait([w.rx for w in watched], timeout=max(0.0, min(deadlines) - now))
+            ready = wait([w.rx for w in watched], timeout=max(0.0, min(deadlines + [deadline]) - now))
             for conn in ready:
                 w = next((x for x in self._workers if x.rx is conn), None)
                 if w is not None:

@@ -5,6 +5,9 @@ Protocol (pickled tuples over two pipes). Parent -> worker: `("warm", [fn_bytes]
 `("ready",)` after warm-up; per sample `("ok", index, score)` or `("err", index, kind, message)` as each finishes
 (so the parent's time limit is per call, not per chunk); for a batched job one `("batch", [(index, score | None,
 kind, message)])`; then `("done",)`.
+
+The worker is its orphans' reaper (`proctree`): what a reward starts stays below it, so the pool can kill it all,
+and when the trainer dies the worker kills it all itself before it exits.
 """
 from __future__ import annotations
 
@@ -16,53 +19,34 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from tandem.rewards.base import _finite
+from tandem.rewards.base import call_batched, call_one
+from tandem.rewards.proctree import become_subreaper, kill_tree, reap_orphans
 
 
 def _watch_parent(parent: int) -> None:
-    """Exit when the trainer is gone, even if a reward is hung (a closed pipe is noticed only between jobs)."""
+    """Exit when the trainer is gone, even if a reward is hung (a closed pipe is noticed only between jobs), and
+    take what the rewards started along."""
     while True:
         time.sleep(1.0)
         if os.getppid() != parent:
+            kill_tree(os.getpid(), include_root=False)
             os._exit(3)
-
-
-def _score_one(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[float | None, str, str]:
-    try:
-        value = fn(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - sys.exit() in a reward is a failure of that sample, too
-        return None, "raised", repr(exc)[:500]
-    try:
-        return _finite(value), "", ""
-    except Exception as exc:
-        return None, "bad_value", str(exc)[:500]
 
 
 def _run_job(fn: Callable[..., Any], kwargs: dict, batched: bool, items: list, tx: Connection) -> None:
     if not batched:
         for index, completion, prompt, row in items:
-            value, kind, message = _score_one(fn, (completion, prompt, row), kwargs)
+            value, kind, message = call_one(fn, (completion, prompt, row), kwargs)
             tx.send(("ok", index, value) if kind == "" else ("err", index, kind, message))
         return
-    out = []
-    try:
-        values = list(fn([it[1] for it in items], [it[2] for it in items], [it[3] for it in items], **kwargs))
-        if len(values) != len(items):
-            raise ValueError(f"returned {len(values)} scores for {len(items)} completions")
-    except BaseException as exc:  # noqa: BLE001
-        out = [(it[0], None, "raised", repr(exc)[:500]) for it in items]
-    else:
-        for it, value in zip(items, values):
-            try:
-                out.append((it[0], _finite(value), "", ""))
-            except Exception as exc:
-                out.append((it[0], None, "bad_value", str(exc)[:500]))
-    tx.send(("batch", out))
+    outcomes = call_batched(fn, [it[1] for it in items], [it[2] for it in items], [it[3] for it in items], kwargs)
+    tx.send(("batch", [(it[0], *o) for it, o in zip(items, outcomes)]))
 
 
 def main(read_fd: int, write_fd: int) -> None:
     rx, tx = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     os.dup2(2, 1)  # a reward's print() goes to stderr; stdout is not ours to use
+    become_subreaper()  # where Linux refuses, a double-forked process can escape the kill (said in the README)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     cache: dict[bytes, Callable[..., Any]] = {}
     msg = rx.recv()
@@ -94,6 +78,7 @@ def main(read_fd: int, write_fd: int) -> None:
                     tx.send(("err", it[0], "raised", err))
         else:
             _run_job(fn, kwargs, batched, items, tx)
+        reap_orphans()
         tx.send(("done",))
 
 

@@ -122,9 +122,12 @@ def test_broken_rewards_score_zero_are_counted_and_training_goes_on(tiny_model, 
     rewards = ("rewards=[{name: arithmetic_exact}, {name: 'toy_rewards:text_length', weight: 0.5}, "
                "{name: 'toy_rewards:raises'}, {name: 'toy_rewards:hangs'}, {name: 'toy_rewards:kills_worker'}, "
                "{name: 'toy_rewards:not_a_number'}]")
+    # these fail on every sample, which by default stops the run (tests/rewards/test_limits.py): here it goes on
     train(small_config(tiny_model, out, "run.steps=1", rewards, "reward_pool.timeout_s=1", "reward_pool.workers=2",
-                       "batch.prompts_per_step=2", "batch.group_size=2", "data.eval_size=2"))
+                       "reward_pool.max_error_rate=1", "batch.prompts_per_step=2", "batch.group_size=2",
+                       "data.eval_size=2"))
     step = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()][1]
+    assert step["reward/error_rate/toy_rewards:raises"] == 1.0 and step["reward/error_rate/toy_rewards:text_length"] == 0
     assert step["reward/errors/toy_rewards:raises"] == 4 and step["reward/errors/toy_rewards:raises/raised"] == 4
     assert step["reward/errors/toy_rewards:hangs/timeout"] == 4
     assert step["reward/errors/toy_rewards:kills_worker/crashed"] == 4

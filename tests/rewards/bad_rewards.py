@@ -65,3 +65,58 @@ batch_hangs.batched = True
 
 def pid(completion, prompt, row):
     return float(os.getpid())
+
+
+def exits_inline(completion, prompt, row):
+    raise SystemExit(3)
+
+
+exits_inline.inline = True
+
+
+def interrupts_inline(completion, prompt, row):
+    raise KeyboardInterrupt
+
+
+interrupts_inline.inline = True
+
+
+def slow_inline(completion, prompt, row):
+    time.sleep(0.3)
+    return 1.0
+
+
+slow_inline.inline = True
+
+
+def starts_setsid_sleeper(completion, prompt, row):
+    """Leaves a process in its own session (out of the worker's process group) running; returns its pid."""
+    import subprocess
+
+    return float(subprocess.Popen(["sleep", "600"], start_new_session=True).pid)
+
+
+def double_forks_a_sleeper(completion, prompt, row):
+    """Daemonizes a sleeper the classic way (fork, setsid, fork, parent exits); returns the orphan's pid."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        grandchild = os.fork()
+        if grandchild == 0:
+            os.execvp("sleep", ["sleep", "600"])
+        os.write(w, str(grandchild).encode())
+        os._exit(0)
+    os.close(w)
+    pid = int(os.read(r, 32))
+    os.close(r)
+    os.waitpid(child, 0)
+    return float(pid)
+
+
+def starts_sleeper_then_hangs(completion, prompt, row, pidfile=""):
+    import subprocess
+
+    with open(pidfile, "w") as f:
+        f.write(str(subprocess.Popen(["sleep", "600"], start_new_session=True).pid))
+    time.sleep(10_000)

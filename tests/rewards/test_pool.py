@@ -98,33 +98,38 @@ def test_rewards_run_in_other_processes_and_close_stops_them():
     assert all(p.poll() is not None for p in workers)
 
 
-def test_workers_exit_when_the_trainer_dies(tmp_path):
+def test_workers_exit_when_the_trainer_dies_and_take_what_their_reward_started_with_them(tmp_path):
     here = os.path.dirname(__file__)
+    pidfile = tmp_path / "sleeper"
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {here!r})
         from tandem.rewards import RewardScorer
-        s = RewardScorer([("bad_rewards:sleeps", 1.0, {{}})], timeout_s=100, workers=1)
-        s.score(["warm"], [""], [{{}}])
+        s = RewardScorer([("bad_rewards:starts_sleeper_then_hangs", 1.0, {{"pidfile": {str(pidfile)!r}}})],
+                         timeout_s=100, workers=1)
         print(s._pool._workers[0].proc.pid, flush=True)
         s.score(["hang"], [""], [{{}}])
     """)
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     worker_pid = int(trainer.stdout.readline())
-    time.sleep(0.3)  # the worker is now hung inside the reward
-    trainer.kill()
-    trainer.wait()
-    for _ in range(50):
-        try:
-            os.kill(worker_pid, 0)
-        except ProcessLookupError:
-            break
-        if open(f"/proc/{worker_pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+    for _ in range(100):  # the worker is hung inside the reward once the sleeper's pid is written
+        if pidfile.exists() and pidfile.read_text():
             break
         time.sleep(0.1)
-    else:
-        os.kill(worker_pid, 9)
-        pytest.fail("the worker outlived the trainer")
+    trainer.kill()
+    trainer.wait()
+    for pid in (worker_pid, int(pidfile.read_text())):
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            pytest.fail(f"process {pid} outlived the trainer")
 
 
 def test_workers_that_cannot_start_score_pool_errors_without_hanging(monkeypatch):
