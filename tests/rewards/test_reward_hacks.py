@@ -8,7 +8,7 @@ import pytest
 from tandem.rewards import REWARDS
 
 code = REWARDS["code"].fn
-FAST = dict(cpu_s=2, wall_s=4.0)
+FAST = dict(cpu_s=2, wall_s=4.0, allow_weak_sandbox=True)  # refusing a weak sandbox: test_sandbox_hosts.py
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 2) == 1"]
 WRONG = "def add(a, b):\n    return 0\n"
 
@@ -37,11 +37,19 @@ def test_printing_a_verdict_or_a_success_line():
     assert score(prog) == 0.0
 
 
-def test_reading_the_marker_or_the_tests_from_code_frames_memory_or_files():
+def test_reading_the_pass_marker_from_the_programs_own_code():
     # Old sandbox: the pass marker was a constant of the program's own code object, so this passed any assert test.
     marker = ("import os, sys\nfor c in sys._getframe().f_code.co_consts:\n    if str(c).startswith('tandem-pass-') and len(str(c)) > 12:\n"
               "        print(c)\n        sys.stdout.flush()\n        os._exit(0)\n")
     assert score(WRONG + marker) == 0.0
+
+
+def test_finding_the_tests_in_objects_memory_descriptors_or_files():
+    from tandem.rewards.sandbox import isolation
+
+    iso = isolation()
+    if not (iso.get("fs") and (iso.get("uid") or iso.get("pid"))):
+        pytest.skip("a weak sandbox: the program may read the trainer's memory and files (weak_spots says so)")
     # Look for the test's text anywhere the program can reach: every live object, its own memory, every open file,
     # the file system. The test carries a random token; the program looks for anything shaped like it.
     token = "tok-" + secrets.token_hex(8)
@@ -165,7 +173,8 @@ print(got)
 
     r = run_python(prog)
     assert r.ok, r.stderr
-    assert "mem" not in r.stdout and "'fd'" not in r.stdout, r.stdout
+    if r.isolation.get("pid"):  # without a pid namespace it sees the trainer's processes: the weak sandbox says so
+        assert "mem" not in r.stdout and "'fd'" not in r.stdout, r.stdout
     assert score(prog) == 0.0
 
 

@@ -14,7 +14,9 @@ from tandem.rewards import REWARDS, SandboxLimits, extract_code, run_python
 from tandem.rewards.sandbox import _uid_processes, isolation
 
 code = REWARDS["code"].fn
-FAST = dict(cpu_s=1, wall_s=2.0)
+# Scoring is what these tests check; the refusal of a weak sandbox has its own tests (test_sandbox_hosts.py), and
+# this file runs without namespaces too (test_sandbox_hosts.py::test_the_sandbox_suites_pass_as_a_user_...).
+FAST = dict(cpu_s=1, wall_s=2.0, allow_weak_sandbox=True)
 
 
 def score(program: str, tests: list, **kw) -> float:

@@ -191,3 +191,45 @@ def test_a_broken_sandbox_stops_the_scorer_before_training(monkeypatch):
         RewardScorer([("code", 1.0, {})], workers=0)
     assert weak_spots({"net": 1, "fs": 1, "uid": 1, "pid": 1}) == []
     assert judge_python("def f():\n    return 1\n", "assert f() == 1").passed is True
+
+
+def _readable_by_others(path: str) -> bool:
+    """Whether another uid can reach `path` (every directory above it searchable, the path itself readable)."""
+    parts = os.path.abspath(path).split("/")
+    dirs = ["/".join(parts[:i]) or "/" for i in range(1, len(parts))]
+    return all(os.stat(d).st_mode & 0o001 for d in dirs) and bool(os.stat(path).st_mode & 0o004)
+
+
+@pytest.mark.parametrize("namespaces", [True, False], ids=["user-namespaces", "no-namespaces"])
+def test_the_sandbox_suites_pass_as_a_user_whose_python_is_under_its_private_home(namespaces):
+    """test_sandbox.py and test_reward_hacks.py, whole, as uid USER (its Python under its 0700 home), with user
+    namespaces and without them: every attack is stopped or, where only namespaces could stop it, skipped by name."""
+    python = _python_under_root()
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    site = os.path.dirname(os.path.dirname(pytest.__file__))
+    if not (_readable_by_others(repo) and _readable_by_others(site)):
+        pytest.skip(f"the checkout ({repo}) or its packages ({site}) are not readable by another user")
+    top = "/root/" + python[len("/root/"):].split("/")[0]
+    where = tempfile.mkdtemp(prefix="tandem-sandbox-suite-")
+    try:
+        os.chmod(where, 0o755)
+        runner = os.path.join(where, "run.py")
+        with open(runner, "w") as f:
+            f.write(("" if namespaces else NO_NAMESPACES) +
+                    "import sys, pytest\nsys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rs', "
+                    "'tests/rewards/test_sandbox.py', 'tests/rewards/test_reward_hacks.py']))\n")
+        stash = os.path.join(where, "stash")
+        os.mkdir(stash)
+        script = (f"mount --bind {top} {stash} && mount -t tmpfs -o mode=0700,uid={USER},gid={USER} home /root"
+                  f" && mkdir {top} && mount --bind {stash} {top} && cd {repo} &&"
+                  f" exec setpriv --reuid={USER} --regid={USER} --clear-groups env -i PATH=/usr/bin:/bin"
+                  f" HOME=/root {sys.executable} {runner}")
+        proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout, tail
+    if namespaces:
+        assert "skipped" not in proc.stdout, tail  # a user namespace gives it every confinement
