@@ -330,15 +330,15 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
                 except (ProcessLookupError, PermissionError):
                     pass
                 proc.wait()
-                if uid_a is not None:
-                    for uid in (uid_a, uid_b):
-                        _sweep(uid)
         wall = time.monotonic() - t0
         fcntl.fcntl(report_r, fcntl.F_SETFL, os.O_NONBLOCK)  # a leftover process may hold the write end open
         try:
             report = os.read(report_r, 1 << 16).decode("utf-8", "replace")
         except BlockingIOError:
             report = ""
+        if uid_a is not None and "pid=1" not in report:  # a pid namespace's processes all died with its pid 1
+            for uid in (uid_a, uid_b):
+                _sweep(uid)
         isolation: dict[str, int] = {}
         returncode, passed, reason = proc.returncode, None, ""
         for line in report.splitlines():
