@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.sync.layout import Box, extents, numel, shift, slices
+from tandem.sync.channel import Op
 from tandem.sync.planner import Move, Plan
 
 ALIGN = 16  # staging offsets are multiples of this, so every dtype can be viewed in place (Tensor.view(dtype))
@@ -80,13 +81,30 @@ class _Shared:
     offsets: list[dict[int, int]]  # per round: where each remote move sits in its sender's segment (see _offsets)
 
 
-def _p2p(ops: list) -> None:
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
+class _TorchGroup:
+    """p2p over a group of the default torch.distributed world (ranks are the group's); the same two calls as
+    `tandem.sync.channel.WeightChannel`, which carries a plan between processes of no common world."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+
+    def start(self, ops: list[Op]) -> list:
+        if not ops:
+            return []
+        peer = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend if sending else dist.irecv, t, peer(p), self.group, tag)
+                                       for sending, t, p, tag in ops])
+
+    def wait(self, pending: list) -> None:
+        for req in pending:
             req.wait()
 
 
-def _share(all_rounds: list[list[Move]], rank: int, group, global_rank, device: torch.device) -> _Shared:
+def _p2p(transport, ops: list[Op]) -> None:
+    transport.wait(transport.start(ops))
+
+
+def _share(all_rounds: list[list[Move]], rank: int, transport, device: torch.device) -> _Shared:
     """Set up shared memory with the peers of this rank that can map it (same host, CPU tensors on both sides).
 
     Each sender creates one segment in /dev/shm as large as its largest round's outgoing bytes and tells its
@@ -109,14 +127,12 @@ def _share(all_rounds: list[list[Move]], rank: int, group, global_rank, device: 
             mine[need:] = torch.tensor(list(nonce), dtype=torch.uint8)
             note = f"{path}|{need}|{nonce.hex()}".encode()
     names = {s: torch.zeros(_NAME_BYTES, dtype=torch.uint8) for s in in_peers}
-    _p2p([dist.P2POp(dist.isend, torch.tensor(list(note.ljust(_NAME_BYTES, b"\0")), dtype=torch.uint8),
-                     global_rank(d), group, _TAG_NAME) for d in out_peers]
-         + [dist.P2POp(dist.irecv, names[s], global_rank(s), group, _TAG_NAME) for s in in_peers])
+    _p2p(transport, [(True, torch.tensor(list(note.ljust(_NAME_BYTES, b"\0")), dtype=torch.uint8), d, _TAG_NAME)
+                     for d in out_peers] + [(False, names[s], s, _TAG_NAME) for s in in_peers])
     peers = {s: seg for s, buf in names.items() if (seg := _map_segment(bytes(buf.tolist()).rstrip(b"\0"))) is not None}
     mapped = {d: torch.zeros(1, dtype=torch.uint8) for d in out_peers}
-    _p2p([dist.P2POp(dist.isend, torch.tensor([int(s in peers)], dtype=torch.uint8), global_rank(s), group,
-                     _TAG_MAPPED) for s in in_peers]
-         + [dist.P2POp(dist.irecv, mapped[d], global_rank(d), group, _TAG_MAPPED) for d in out_peers])
+    _p2p(transport, [(True, torch.tensor([int(s in peers)], dtype=torch.uint8), s, _TAG_MAPPED) for s in in_peers]
+         + [(False, mapped[d], d, _TAG_MAPPED) for d in out_peers])
     if path:
         os.unlink(path)
     pairs = {(rank, d) for d in out_peers if int(mapped[d])} | {(s, rank) for s in peers}
@@ -229,7 +245,7 @@ def _to_local(t: torch.Tensor) -> torch.Tensor:
 def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.Tensor],
                  group: dist.ProcessGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET,
                  out: Mapping[str, torch.Tensor] | None = None, device: torch.device | str | None = None,
-                 shared_memory: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                 shared_memory: bool = True, channel=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Run `plan` on this rank (`rank` in `group`; None: ask the group), yielding lists of (name, tensor) as this
     rank's destination tensors complete, in plan order. Every rank of the plan must drive its iterator to the end.
     Extra memory per rank: one send plus one receive staging buffer, together at most `bucket_bytes`.
@@ -242,9 +258,12 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
     shared_memory: pairs of processes on one host with CPU tensors exchange through a shared-memory segment
     (the sender writes each slice once, the receiver copies it out; a p2p note says when) instead of gloo's TCP
     loopback; False keeps every pair on p2p. Set up on the first call with a plan, then reused; every rank of the
-    plan must pass the same value (the setup is a handshake)."""
+    plan must pass the same value (the setup is a handshake).
+    channel: a `tandem.sync.channel.WeightChannel` to carry the plan instead of `group` (ranks are the channel's;
+    every wait has its transfer timeout): the processes need no common torch.distributed world."""
+    transport = channel if channel is not None else _TorchGroup(group)
     if rank is None:
-        rank = dist.get_rank(group)
+        rank = channel.rank if channel is not None else dist.get_rank(group)
     # detach: parameters may require grad; the copies here are not part of any graph (out= still aliases them)
     src_tensors = {k: _to_local(v).detach() for k, v in src_tensors.items()}
     out = {k: _to_local(v).detach() for k, v in (out or {}).items()}
@@ -279,7 +298,6 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
 
     for name in [n for n, w in waiting.items() if w == 0]:  # empty shards are complete from the start
         done.append((name, dest(name)))
-    global_rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
 
     if bucket_bytes not in plan.cache:  # a plan is reused every step: cut it into rounds once
         plan.cache[bucket_bytes] = rounds(plan, bucket_bytes)
@@ -288,7 +306,7 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
     shared_memory = shared_memory and torch.device(device).type == "cpu"
     key = ("shared", bucket_bytes, rank)
     if shared_memory and key not in plan.cache:
-        plan.cache[key] = _share(all_rounds, rank, group, global_rank, torch.device(device))
+        plan.cache[key] = _share(all_rounds, rank, transport, torch.device(device))
     shared = plan.cache[key] if shared_memory else _Shared(None, {}, set(), [])
     key = ("steps", bucket_bytes, rank, shared_memory)
     if key not in plan.cache:
@@ -324,25 +342,21 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
                     typed.copy_(view)
                 else:
                     unpack.append((view, typed))
-            op, peer = (dist.isend, m.dst) if sending else (dist.irecv, m.src)
-            ops.append(dist.P2POp(op, payload, global_rank(peer), group, tag))
+            ops.append((sending, payload, m.dst if sending else m.src, tag))
         note = torch.zeros(1, dtype=torch.uint8)
-        ops += [dist.P2POp(dist.isend, note, global_rank(d), group, _TAG_WRITTEN) for d in rr.notes_out]
-        ops += [dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8), global_rank(s), group, _TAG_WRITTEN)
-                for s in rr.notes_in]
-        pending = dist.batch_isend_irecv(ops) if ops else []
+        ops += [(True, note, d, _TAG_WRITTEN) for d in rr.notes_out]
+        ops += [(False, torch.zeros(1, dtype=torch.uint8), s, _TAG_WRITTEN) for s in rr.notes_in]
+        pending = transport.start(ops)
         for name, src_cut, dst_cut in rr.local:  # local copies, while the peers' bytes are on their way
             dst_cut(dest(name)).copy_(src_cut(src_tensors[name]))
-        for req in pending:
-            req.wait()
+        transport.wait(pending)
         for view, typed in unpack:
             view.copy_(typed)
         for m, off, cut in rr.reads:
             cut(dest(m.name)).copy_(shared.peers[m.src][off:off + m.nbytes].view(plan.params[m.name][1])
                                     .view(extents(m.box)))
-        _p2p([dist.P2POp(dist.isend, note, global_rank(s), group, _TAG_READ) for s in rr.notes_in]
-             + [dist.P2POp(dist.irecv, torch.zeros(1, dtype=torch.uint8), global_rank(d), group, _TAG_READ)
-                for d in rr.notes_out])
+        _p2p(transport, [(True, note, s, _TAG_READ) for s in rr.notes_in]
+             + [(False, torch.zeros(1, dtype=torch.uint8), d, _TAG_READ) for d in rr.notes_out])
         for name, count in rr.landed:
             landed(name, count)
         if done:
@@ -355,9 +369,9 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
 def reshard(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.Tensor],
             group: dist.ProcessGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET,
             out: Mapping[str, torch.Tensor] | None = None, device: torch.device | str | None = None,
-            shared_memory: bool = True) -> dict[str, torch.Tensor]:
+            shared_memory: bool = True, channel=None) -> dict[str, torch.Tensor]:
     """Run `plan` and return this rank's destination tensors (name -> tensor); see reshard_iter."""
     result: dict[str, torch.Tensor] = {}
-    for batch in reshard_iter(plan, rank, src_tensors, group, bucket_bytes, out, device, shared_memory):
+    for batch in reshard_iter(plan, rank, src_tensors, group, bucket_bytes, out, device, shared_memory, channel):
         result.update(batch)
     return result

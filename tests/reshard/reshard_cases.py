@@ -78,6 +78,8 @@ def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -
         return f"moved {p.bytes_moved} != lower bound {p.lower_bound}"
     kwargs = {"bucket_bytes": opts["bucket_bytes"]} if "bucket_bytes" in opts else {}
     kwargs["shared_memory"] = opts.get("shared_memory", True)
+    if "channel" in opts:
+        kwargs["channel"] = opts["channel"]
     out = None
     if opts.get("out"):
         out = {n: torch.zeros(s, dtype=dst[n].dtype) for n, s in p.dst_shapes.get(rank, {}).items()}
@@ -106,6 +108,42 @@ def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -
     if out is not None:
         bad += [n for n in want if got[n].data_ptr() != out[n].data_ptr()]
     return f"not bit-exact: {bad[:5]}" if bad else "ok"
+
+
+CHANNEL_CASES = ["channel_fsdp_ranks01_to_replicas_ranks23", "channel_fsdp_ranks01_to_replicas_ranks23_p2p",
+                 "channel_transfer_timeout"]
+
+
+def channel_cases(rank: int, world: int, port: int) -> dict[str, str]:
+    """Trainers (ranks 0, 1) to samplers (2, 3) over a WeightChannel, no default group used: shared memory and
+    p2p; then a receive whose sender never sends fails within the transfer timeout, naming that sender."""
+    from tandem.sync.channel import WeightChannel
+
+    results: dict[str, str] = {}
+    p = DENSE.params()
+    src, dst = build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")), replicated_layout(p, [2, 3])
+    channel = WeightChannel(("127.0.0.1", port), rank, world, timeout_s=2.0)
+    try:
+        for name, shm in zip(CHANNEL_CASES, (True, False)):
+            try:
+                results[name] = run_layout_case(rank, src, dst, {"channel": channel, "shared_memory": shm})
+            except Exception:
+                results[name] = traceback.format_exc()
+        if rank == 3:
+            start = time.perf_counter()
+            try:
+                channel.exchange([(False, torch.zeros(1), 0, 77)])
+                results["channel_transfer_timeout"] = "no timeout"
+            except TimeoutError as exc:
+                took = time.perf_counter() - start
+                ok = "receiving from rank 0" in str(exc) and took < 10
+                results["channel_transfer_timeout"] = "ok" if ok else f"{took:.1f} s: {exc}"
+        else:
+            results["channel_transfer_timeout"] = "ok"
+    finally:
+        dist.barrier()  # over the default group: rank 3's timed-out receive is over before anyone closes
+        channel.close()
+    return results
 
 
 def dtensor_cases(rank: int) -> dict[str, str]:
@@ -149,7 +187,7 @@ def dtensor_cases(rank: int) -> dict[str, str]:
     return results
 
 
-def worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def worker(rank: int, world: int, port: int, out_dir: str, channel_port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -162,6 +200,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results[name] = traceback.format_exc()
         results[name + ":seconds"] = f"{time.perf_counter() - start:.3f}"
     results.update(dtensor_cases(rank))
+    results.update(channel_cases(rank, world, channel_port))
     dist.barrier()
     dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))

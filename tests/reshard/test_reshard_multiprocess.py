@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reshard_cases  # noqa: E402
 
 WORLD = 4
-CASES = list(reshard_cases.layout_cases()) + ["fsdp2_4", "fsdp2_x_tp_2x2"]
+CASES = list(reshard_cases.layout_cases()) + ["fsdp2_4", "fsdp2_x_tp_2x2"] + reshard_cases.CHANNEL_CASES
 
 
 def free_port() -> int:
@@ -32,7 +32,7 @@ def verdicts(tmp_path_factory) -> list[dict[str, str]]:
     old = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(folder)
     try:
-        mp.spawn(reshard_cases.worker, args=(WORLD, free_port(), str(folder)), nprocs=WORLD, join=True)
+        mp.spawn(reshard_cases.worker, args=(WORLD, free_port(), str(folder), free_port()), nprocs=WORLD, join=True)
     finally:
         if old is None:
             os.environ.pop("TMPDIR", None)
