@@ -52,8 +52,22 @@ class RolloutEngine(Protocol):
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in place (Hugging Face parameter names). Partial updates are allowed."""
+        """Replace the engine's weights in place (Hugging Face parameter names). Partial updates are allowed; every
+        name, shape and dtype of the call is checked before anything is written (`tandem.rollout.manifest`)."""
         ...
+
+    def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What a whole weight sync must bring: every parameter's name, shape and dtype."""
+        ...
+
+    def weight_aliases(self) -> dict[str, str]:
+        """Names `load_weights` also accepts for a manifest name (a tied head for its embedding)."""
+        ...
+
+    def weight_digest(self) -> dict[str, tuple[float, float]]:
+        """Per-parameter checksums (float64 sum, L2 norm) of the weights the engine samples with."""
+        ...
+
 
     def sleep(self) -> int:
         """Release device memory (weights, KV cache) while the trainer runs; returns bytes released."""

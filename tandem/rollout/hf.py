@@ -10,6 +10,7 @@ from tandem import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
 from tandem.rollout import llama_decode
 from tandem.rollout.base import Completion, Sampling
+from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -155,16 +156,12 @@ class HFEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the engine's parameters in place; all names and shapes are checked before any copy."""
+        """Copy tensors into the engine's parameters in place; every name, shape and dtype is checked before any
+        copy (`tandem.sync.manifest`), so a refused update leaves the engine's weights as they were."""
         self._check_awake("load_weights")
         start = time.perf_counter()
         items = list(named_tensors)
-        for name, t in items:
-            p = self._params.get(name)
-            if p is None:
-                raise ValueError(f"load_weights: unknown parameter {name!r}; the engine's model has no such name")
-            if tuple(p.shape) != tuple(t.shape):
-                raise ValueError(f"load_weights: {name!r} has shape {tuple(t.shape)}, the engine expects {tuple(p.shape)}")
+        check_manifest(self.manifest(), items, "the hf engine", complete=False)
         nbytes = 0
         for name, t in items:
             p = self._params[name]
@@ -173,6 +170,21 @@ class HFEngine:
             nbytes += t.numel() * t.element_size()
         self.last_sync_seconds = time.perf_counter() - start
         self.last_sync_bytes = nbytes
+
+    def manifest(self) -> dict[str, Spec]:
+        """What a whole weight sync must bring: every parameter's name, shape and dtype (a tied head once)."""
+        return {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
+
+    def weight_aliases(self) -> dict[str, str]:
+        """Names accepted for another one: none (a tied head is one parameter, named once)."""
+        return {}
+
+    def weight_digest(self) -> dict[str, Digest]:
+        """Checksums of the weights the engine samples with, to find the ones a sync got wrong (asleep: those it
+        held when it fell asleep)."""
+        if self._asleep is not None:
+            return dict(self._digest_asleep)
+        return {n: digest(p) for n, p in self._params.items()}
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The engine's parameters by HF name, for a sender that writes new weights into them in place (a later
@@ -187,6 +199,7 @@ class HFEngine:
         """
         if self._asleep is not None:
             return 0
+        self._digest_asleep = self.weight_digest()  # what it sampled with, should a step's logprobs disagree
         storages = residency.unique_storages(self._params.values())
         self._asleep = [(s, s.nbytes()) for s in storages]
         return sum(residency.free(s) for s in storages)

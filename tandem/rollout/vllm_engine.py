@@ -23,6 +23,7 @@ import torch
 
 from tandem.modeling import check_model_files
 from tandem.rollout.base import Completion, Sampling
+from tandem.rollout.manifest import Digest, check_manifest, digest
 from tandem.rollout.vllm_worker import encode_weights
 
 log = logging.getLogger(__name__)
@@ -155,38 +156,36 @@ class _Checkpoint:
                         out[name] = fh.get_tensor(name).to(self.dtype).contiguous()
         return out
 
-    def validate(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Check every name and shape before anything reaches the engine; returns {checkpoint name: tensor}."""
-        staged: dict[str, torch.Tensor] = {}
-        for item in named_tensors:
-            if not (isinstance(item, tuple) and len(item) == 2):
-                raise ValueError(f"load_weights expects (name, tensor) pairs, got {type(item).__name__}")
-            name, tensor = item
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"load_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-            expected = self.shapes.get(name)
-            if expected is None:
-                close = difflib.get_close_matches(str(name), list(self.shapes), n=3)
-                hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-                raise ValueError(
-                    f"load_weights: unknown parameter {name!r}: the model at {self.path} has no such Hugging Face "
-                    f"parameter{hint}"
-                )
-            if tuple(tensor.shape) != expected:
-                raise ValueError(
-                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
-                )
-            if not tensor.is_floating_point():
-                raise ValueError(f"load_weights: {name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
-            if name in staged:
-                raise ValueError(f"load_weights: {name!r} given twice")
-            staged[name] = tensor.detach()
+    def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What a whole weight sync must bring: each checkpoint tensor's name, shape and the engine's dtype (a
+        tied model's head once, as its embedding)."""
+        return {n: (s, self.dtype) for n, s in self.shapes.items() if not (self.tied and n == "lm_head.weight")}
+
+    def aliases(self) -> dict[str, str]:
+        """Names accepted for another one: a tied model's head stands for its embedding."""
+        return {"lm_head.weight": self.embed_name} if self.tied and self.embed_name else {}
+
+    def validate(self, named_tensors: Iterable[tuple[str, torch.Tensor]], engine: str = "the vLLM engine",
+                 complete: bool = False) -> dict[str, torch.Tensor]:
+        """Check every name, shape and dtype before anything reaches the engine (`check_manifest`: all problems
+        named at once); returns {checkpoint name: tensor}. `complete`: a whole sync, so missing names count."""
+        items = list(named_tensors)
+        check_manifest(self.manifest(), items, f"{engine} ({self.path})", complete, self.aliases())
+        staged: dict[str, torch.Tensor] = {name: tensor.detach() for name, tensor in items}
         if self.tied and "lm_head.weight" in staged:
             # One tensor in a tied model: lm_head stands for the embedding unless the embedding came too.
             head = staged.pop("lm_head.weight")
             if self.embed_name is not None and self.embed_name not in staged:
                 staged[self.embed_name] = head
         return staged
+
+    def digest(self, received: dict[str, Any]) -> dict[str, Digest]:
+        """Checksums by checkpoint name of what the engine holds: `received` (what its workers were sent, as
+        [sum, norm]), and for a tensor never sent, the checkpoint's own, read from disk only here."""
+        out = {name: (float(d[0]), float(d[1])) for name, d in received.items()}
+        unsent = set(self.manifest()) - set(out)
+        out.update({name: digest(t) for name, t in self.load(unsent).items()})
+        return out
 
 
 def _buckets(items: list[list[tuple[str, torch.Tensor]]], limit: int, dtype: torch.dtype) -> Iterator[list]:
@@ -445,6 +444,20 @@ class VLLMEngine:
         self.last_sync_bytes = sent
         self.last_sync_tensors = tensors
         self.last_sync_buckets = buckets
+
+    def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What a whole weight sync must bring (names, shapes, dtypes): the checkpoint's tensors."""
+        return self.checkpoint.manifest()
+
+    def weight_aliases(self) -> dict[str, str]:
+        return self.checkpoint.aliases()
+
+    def weight_digest(self) -> dict[str, Digest]:
+        """Checksums of what vLLM's loader holds, per checkpoint name: what its workers received (rank 0's)."""
+        self._check_usable()
+        with self._engine_context():
+            received = self.llm.collective_rpc("tandem_weight_digest")[0]
+        return self.checkpoint.digest(received)
 
     def _groups(self, staged: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
         """Tensors that must reach the engine in one call, in checkpoint order."""
@@ -746,6 +759,16 @@ class VLLMServerEngine:
         self.last_sync_bytes = sent
         self.last_sync_tensors = tensors
         self.last_sync_buckets = buckets
+
+    def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return self.checkpoint.manifest()
+
+    def weight_aliases(self) -> dict[str, str]:
+        return self.checkpoint.aliases()
+
+    def weight_digest(self) -> dict[str, Digest]:
+        """As VLLMEngine.weight_digest, over the server's RPC endpoint."""
+        return self.checkpoint.digest(self._rpc("tandem_weight_digest")[0])
 
     def sleep(self) -> int:
         if self.on_cpu:

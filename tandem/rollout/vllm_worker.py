@@ -6,6 +6,8 @@ from typing import Any, Iterable
 
 import torch
 
+from tandem.rollout.manifest import digest
+
 
 # What crosses a process boundary (server mode, tensor parallelism) is a safetensors blob: plain bytes pickle
 # cheaply through vLLM's RPC and survive JSON as base64, where tensors would not.
@@ -40,6 +42,10 @@ class TandemWorkerExtension:
         """
         weights = decode_weights(payload)
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        # What reached this worker, to compare with what the trainer holds when samples disagree with it.
+        received = self.__dict__.setdefault("_tandem_received", {})
+        for name, t in weights:
+            received[name] = digest(t)
         if path == "reload":
             self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
             self._tandem_refresh_shared({name for name, _ in weights})
@@ -72,6 +78,11 @@ class TandemWorkerExtension:
                 method = getattr(module, "quant_method", None)
                 if qual not in loaded_modules and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(module)
+
+    def tandem_weight_digest(self) -> dict[str, list[float]]:
+        """[float64 sum, L2 norm] of each checkpoint tensor this worker was given since it started (plain lists:
+        the HTTP RPC carries JSON)."""
+        return {name: list(d) for name, d in self.__dict__.get("_tandem_received", {}).items()}
 
     def tandem_packed_modules(self) -> dict[str, list[str]]:
         """vLLM's fused modules and the checkpoint modules each one packs, e.g. qkv_proj: [q_proj, k_proj, v_proj]."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -285,11 +286,16 @@ class Policy:
         sums["logprob_diff"] += float(diff.sum())
         sums["logprob_diff_max"] = max(sums["logprob_diff_max"], float(diff.max()) if diff.numel() else 0.0)
 
-    def update(self, mini_batches: list[list[MicroBatch]], sums: dict[str, float]) -> dict[str, float]:
+    def update(self, mini_batches: list[list[MicroBatch]], sums: dict[str, float],
+               check_sampler: Callable[[float, float], None] | None = None) -> dict[str, float]:
         """mu passes over the step's batch, one optimizer step per mini-batch; returns token-weighted stats.
 
         With a mesh every dp rank passes its own rows (the same number of mini-batches on every rank, some may be
         empty) and gets the same stats back.
+
+        `check_sampler(mean, max)` sees the trainer-vs-sampler logprob difference of the batch (over all dp ranks)
+        before the first optimizer step, so that it can stop a step whose samples are wrong before they are
+        trained on. Not called for stale samples (async), whose difference includes the policy's own drift.
         """
         a = self.algo
         on_policy = self.on_policy(len(mini_batches))
@@ -303,6 +309,10 @@ class Policy:
         passes_per_mini = self._pad_counts([len(mbs) for mbs in mini_batches])
         self._dp_reduce(totals)
         tokens = int(totals[:, 0].sum())
+        check = check_sampler if not self.stale_samples else None
+        if check is not None and not on_policy:  # the first-pass stats came from prepare's old-logprob pass
+            self._check_sampler(sums, tokens, check)
+            check = None
         grad_norms, losses = [], []
         for epoch in range(a.mu):
             for j, mbs in enumerate(mini_batches):
@@ -336,6 +346,9 @@ class Policy:
                     step_loss += float(loss.detach())
                     sums["clip_frac"] += float((m["clip_frac"] * mb.mask).sum())
                     sums["ratio"] += float((m["ratio"] * mb.mask).sum())
+                if check is not None:  # on-policy: one mini-batch, its forwards done, nothing stepped yet
+                    self._check_sampler(sums, tokens, check)
+                    check = None
                 clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
                 grad_norms.append(self._clip(clip))
                 self.optimizer.step()
@@ -360,6 +373,16 @@ class Policy:
             stats["tis_capped_frac"] = sums["tis_capped"] / passes
         self.last_losses = losses  # each optimizer step's loss (the global loss with a mesh)
         return stats
+
+    def _check_sampler(self, sums: dict[str, float], tokens: int, check: Callable[[float, float], None]) -> None:
+        """The batch's mean and max |trainer - sampler| logprob over every dp rank, handed to `check`."""
+        total = self._dp_reduce(torch.tensor([sums.get("logprob_diff", 0.0)], dtype=torch.float64))
+        worst = torch.tensor([sums.get("logprob_diff_max", 0.0)], dtype=torch.float64)
+        if self.mesh is not None and self.dp_size > 1:
+            import torch.distributed as dist
+
+            worst = self._dp_reduce(worst, dist.ReduceOp.MAX)
+        check(float(total[0]) / max(tokens, 1), float(worst[0]))
 
     def _clip(self, max_norm: float) -> float:
         if self.mesh is None:

@@ -11,10 +11,15 @@ from tandem.algo import truncation_mask
 from tandem.config import Config
 from tandem.modeling import load_tokenizer
 from tandem.rollout import Completion
+from tandem.rollout.manifest import differing, digest
 from tandem.train.batch import MicroBatch, make_micro_batches
 from tandem.train.policy import Policy
 from tandem.workers.balance import balance
 from tandem.workers.group import WorkerContext
+
+
+class SamplerMismatch(RuntimeError):
+    """The sampler's logprobs disagree with the trainer's beyond rollout.max_logprob_diff (a bad weight sync)."""
 
 
 class TrainWorker:
@@ -84,12 +89,47 @@ class TrainWorker:
         for mb in (mb for mbs in self._mini for mb in mbs):
             mb.advantages = advantages[mb.rows].float()
         start = time.perf_counter()
-        stats = self.policy.update(self._mini, self._sums)
+        stats = self.policy.update(self._mini, self._sums, check_sampler=self._check_sampler)
         stats["time/update"] = time.perf_counter() - start
         stats["time/logprobs"] = self._t_logprobs
         stats["time/trainer_idle"] = self._idle
         self._mini = []
         return stats
+
+    def _check_sampler(self, mean: float, worst: float) -> None:
+        """Stop a step whose samples the trainer would not have drawn (rollout.max_logprob_diff), naming the
+        engine and the parameters whose engine copy is not the trainer's. Every rank sees the same numbers."""
+        bound = self.cfg.rollout.logprob_diff_bound(self.cfg.model.dtype)
+        if bound is None or mean <= bound:
+            return
+        r = self.cfg.rollout
+        engine = "hf" if r.engine == "hf" else f"vllm ({r.vllm.mode})"
+        raise SamplerMismatch(
+            f"the sampler's logprobs differ from the trainer's by {mean:.3g} per token (max {worst:.3g}), over "
+            f"rollout.max_logprob_diff={bound:g}: the {engine} engine is not sampling with the trainer's weights, "
+            f"so this step was stopped before training on its samples. {self._stale_parameters()} A bad weight "
+            "sync is the usual cause; if the difference is expected (a numerics change), raise "
+            "rollout.max_logprob_diff, or set it to null to turn the check off.")
+
+    def _stale_parameters(self) -> str:
+        """Which parameters the engine holds differently from the trainer, by per-parameter checksums (the trainer's
+        weights are still the ones synced: no optimizer step has run)."""
+        engine = getattr(self, "engine", None)  # a colocated worker's own engine; split trainers have none
+        if engine is None:
+            return ("The engines are on the sampler workers (split placement), so their weights cannot be compared "
+                    "from here.")
+        try:
+            theirs = engine.weight_digest()
+        except Exception as exc:  # the diagnosis must not hide the stop itself
+            return f"(The engine's checksums could not be read: {exc!r}.)"
+        ours = {name: digest(t.full_tensor() if hasattr(t, "full_tensor") else t)
+                for name, t in self.policy.named_weights()}
+        stale = differing(ours, theirs)
+        if not stale:
+            return (f"Every one of the {len(ours)} parameters the engine was given matches the trainer's by checksum, "
+                    "so the engine's own loading or use of them is at fault, not the transfer.")
+        shown = ", ".join(stale[:10]) + (f" and {len(stale) - 10} more" if len(stale) > 10 else "")
+        return f"Parameters most likely stale (engine copy differs from the trainer's, {len(stale)} of {len(ours)}): {shown}."
 
     # -- weights out: split placement sends to the samplers --------------------------------------------------
 
