@@ -303,6 +303,12 @@ class PlacementConfig(Section):
         0.0, ge=0.0, description="A worker call running longer than this stops the run with an error naming the "
         "workers still running; 0 = no limit. Dead workers are detected without it.",
     )
+    sync_timeout_s: float = Field(
+        300.0, gt=0.0, description="split: the longest one message of a weight sync (a bucket, at most "
+        "rollout.sync_bucket_mb) may take on the trainers -> samplers weight channel before the run stops naming "
+        "the peer; the wait for the trainers to start sending (they train first) has no such limit. 300 s: far "
+        "above a 64 MiB bucket on any link, short enough that a stalled sync does not hang a run for long.",
+    )
 
 
 class Config(Section):
@@ -372,11 +378,10 @@ class Config(Section):
         if pl.schedule == "async" and pl.mode != "split":
             raise ConfigError("placement.schedule: async needs placement.mode: split (colocated workers time-slice "
                               "one device: there is nothing to overlap); use schedule: sync or mode: split")
-        if pl.backend == "ray" and self.rollout.engine == "vllm":
-            raise ConfigError("rollout.engine: vllm cannot run inside Ray workers yet: in process, vLLM sets up its own "
-                              "torch.distributed world over the workers' one (seen to hang on CPU); as a server started "
-                              "from a worker, its engine failed on the first request; use rollout.engine: hf with "
-                              "placement.backend: ray, or vLLM with placement.backend: local")
+        if pl.backend == "ray" and pl.mode == "colocate" and self.rollout.engine == "vllm":
+            raise ConfigError("rollout.engine: vllm cannot run inside Ray workers yet when colocated: in process, vLLM "
+                              "sets up its own torch.distributed world over the workers' one (seen to hang on CPU); use "
+                              "placement.mode: split (vLLM samplers), rollout.engine: hf, or placement.backend: local")
         bound = self.rollout.max_logprob_diff
         if isinstance(bound, float) and not bound > 0:
             raise ConfigError(f"rollout.max_logprob_diff: {bound} would stop every step; use a positive bound, "

@@ -563,6 +563,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# A server's guard: a tiny process that outlives its starter. When the starter ends (its parent id changes), it
+# ends the server's whole process group (the API server and vLLM's engine processes): SIGTERM, then SIGKILL after
+# 10 s. When the server ends first, so does the guard. (PR_SET_PDEATHSIG would follow the starting *thread*, and
+# reach only the API server.)
+_GUARD = """
+import os, signal, sys, time
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+def alive():
+    try:
+        os.killpg(group, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+while os.getppid() == parent and alive():
+    time.sleep(0.5)
+for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 2.0)):
+    if not alive():
+        break
+    os.killpg(group, sig)
+    end = time.monotonic() + grace
+    while alive() and time.monotonic() < end:
+        time.sleep(0.1)
+"""
+
+
 def _check_loopback(url: str) -> None:
     from urllib.parse import urlparse
 
@@ -598,7 +623,11 @@ class VLLMServerEngine:
         request_timeout_s: float = 3600.0,
         extra_args: list[str] | None = None,
         log_path: str | None = None,
+        cpu_bind: str | None = None,
     ) -> None:
+        """`log_path`: where the server's stdout and stderr go (None: discarded). `cpu_bind`: the cores its CPU
+        worker binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "2,3"); vLLM's `auto` binds
+        every server on a machine to the same first core."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.model_path = str(model_path)
@@ -607,6 +636,8 @@ class VLLMServerEngine:
         self.sync_bucket_bytes = int(sync_bucket_mb) << 20
         self.request_timeout_s = request_timeout_s
         self.proc: subprocess.Popen | None = None
+        self._guard: subprocess.Popen | None = None
+        self.log_path = log_path
         self._log = None
         self.closed = False
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
@@ -631,11 +662,21 @@ class VLLMServerEngine:
             if kv_cache_bytes is not None:
                 cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_bytes))]
             cmd += list(extra_args or [])
-            env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+            # VLLM_HOST_IP: otherwise the server advertises the host's external address for its message queue.
+            env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1")
             env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server is its own process: let it choose
+            if cpu_bind:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+            if log_path:
+                Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+            # its own session (a signal to ours must not reach it first), ended by a guard when this process
+            # ends, even by SIGKILL (a Ray actor killed after a failure elsewhere)
             self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
+            self._guard = subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), str(self.proc.pid)],
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "")})
         _check_loopback(base_url)
         self.base_url = base_url.rstrip("/")
         try:
@@ -669,7 +710,21 @@ class VLLMServerEngine:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             raise RuntimeError(f"vLLM server {method} {path}: HTTP {exc.code}: {exc.read()[:2000]!r}") from None
+        except (urllib.error.URLError, ConnectionError, OSError):
+            if self.proc is not None and self.proc.poll() is not None:  # the cause, not the refused connection
+                raise RuntimeError(f"{self._death()} (during {method} {path})") from None
+            raise
         return json.loads(raw) if raw else None
+
+    def _death(self) -> str:
+        """What ended the server: its exit code (or signal) and its log's last lines."""
+        code = self.proc.returncode if self.proc is not None else None
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        msg = f"vLLM server {self.base_url} (pid {self.proc.pid if self.proc else '?'}) {how}"
+        if self.log_path and Path(self.log_path).is_file():
+            tail = Path(self.log_path).read_bytes()[-1500:].decode(errors="replace").strip().splitlines()[-5:]
+            msg += f"; its log {self.log_path} ends: " + " | ".join(tail)
+        return msg
 
     def _get(self, path: str) -> Any:
         return self._request("GET", path)
@@ -685,7 +740,7 @@ class VLLMServerEngine:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} during startup")
+                raise RuntimeError(f"{self._death()} during startup")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as resp:
                     if resp.status == 200:
@@ -799,6 +854,16 @@ class VLLMServerEngine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
+        if self.proc is not None:
+            import signal
+
+            try:  # whatever of its engine processes outlived it
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._guard is not None:
+            self._guard.kill()
+            self._guard.wait(timeout=30)
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
 

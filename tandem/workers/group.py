@@ -12,7 +12,9 @@ class WorkerContext:
     `group` is the torch.distributed process group of this worker group's members (None when the group has one
     worker and no process group was started). Several groups started together (split placement: trainers and
     samplers) share one default process group of `world_size` ranks; `group_ranks` names each group's global
-    ranks, in group-rank order, so code that spans groups (weight broadcast) can address the others.
+    ranks, in group-rank order, so code that spans groups (weight broadcast) can address the others. A group
+    started outside that world (Ray's `join_world=False`: vLLM samplers) has `group` None; its global ranks come
+    after the world's `world_size` ranks and number it for a weight channel of its own.
     """
 
     rank: int = 0

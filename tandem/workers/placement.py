@@ -143,14 +143,21 @@ def build(cfg: Config) -> Placement:
             placement.shutdown()
             raise
         return placement
+    # The samplers join no torch world (a vLLM engine would adopt it and hang on collectives the trainers never
+    # make); weights reach them over a channel of their own, for every engine alike.
     trainers, samplers = start_groups(
         [GroupSpec("trainers", functools.partial(TrainWorker, cfg), pl.train_workers, **res),
-         GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res)],
+         GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res, join_world=False)],
         address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
     placement = Placement(trainers, samplers, split=True, groups=[trainers, samplers])
     try:
         from tandem.sync.planner import plan_to_replicas
 
+        address, size = trainers.free_address(0), pl.train_workers + pl.rollout_workers
+        opened = [trainers.submit("open_weight_channel", address, size),
+                  samplers.submit("open_weight_channel", address, size)]  # a rendezvous: all at once
+        for pending in opened:
+            pending.get()
         sync_plan = plan_to_replicas(trainers.call("weight_layout")[0], samplers.global_ranks)
         trainers.call("set_sync_plan", sync_plan)
         samplers.call("set_sync_plan", sync_plan)

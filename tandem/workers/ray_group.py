@@ -167,6 +167,9 @@ class GroupSpec:
     size: int = 1
     cpus_per_worker: float = 1
     gpus_per_worker: float = 0
+    # False: these workers join no torch.distributed world (ctx.group None). vLLM samplers need that: an engine
+    # adopts a world it finds and makes collective calls over it that the other groups never make.
+    join_world: bool = True
 
 
 class _Gang:
@@ -380,6 +383,13 @@ class RayWorkerGroup:
         return self._pending(method, [a.call.remote(method, tuple(args), {})
                                       for a, args in zip(self.actors, per_worker_args)])
 
+    def free_address(self, rank: int = 0) -> tuple[str, int]:
+        """The node address of worker `rank` and a port free there: a rendezvous for a group of the workers' own
+        (the weight channel, hosted by that worker)."""
+        self._check("free_address")
+        return RayPending(self.gang, "free_address", [(self, rank, self.actors[rank].address.remote())],
+                          self.call_timeout_s).get()[0]
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self.submit(method, *args, **kwargs).get()
 
@@ -447,7 +457,9 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
                  runtime_env: dict | None = None) -> list[RayWorkerGroup]:
     """Start several worker groups that share one torch.distributed world.
 
-    Global ranks run group after group (trainers 0..T-1, then samplers T..T+R-1). `backend`: "auto" (gloo on
+    Global ranks run group after group (trainers 0..T-1, then samplers T..T+R-1); groups with `join_world=False`
+    come last and join no world (their global ranks still number them, e.g. as ranks of a weight channel), the
+    others form a world of their own ranks. `backend`: "auto" (gloo on
     CPU; with GPUs nccl for CUDA tensors and gloo for host ones, on which the trainer reduces its counts and stats
     and the resharding handshake runs), a torch.distributed backend name, or None for no process group. Each
     group's `ctx.group` is its own subgroup (the WORLD group when there is one group). Ray: `address` joins a
@@ -462,6 +474,9 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
     names = [s.name for s in specs]
     if not specs or len(set(names)) != len(names) or any(s.size < 1 for s in specs):
         raise ValueError(f"start_groups needs groups with distinct names and sizes ≥ 1, got {specs}")
+    joined = [s.join_world for s in specs]
+    if joined != sorted(joined, reverse=True):  # the world's ranks are then the first global ranks
+        raise ValueError(f"start_groups: groups with join_world=False must come after the others, got {names}")
     if backend == "auto":
         gpu = [s.gpus_per_worker > 0 for s in specs]
         backend = "gloo" if not any(gpu) else "cpu:gloo,cuda:nccl"
@@ -480,7 +495,7 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
             raise WorkerError(f"could not place {[(s.name, s.size, s.cpus_per_worker, s.gpus_per_worker) for s in specs]}"
                               f" within {placement_timeout_s:.0f} s; the cluster has {ray.available_resources()} free")
         host = ray.remote(concurrency_groups={SIDE_LANE: 1})(_Host)
-        world, first = sum(s.size for s in specs), 0
+        world, first = sum(s.size for s in specs if s.join_world), 0
         group_ranks: dict[str, list[int]] = {}
         for s, placement in zip(specs, placements):
             group_ranks[s.name] = list(range(first, first + s.size))
@@ -495,13 +510,14 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
         first_group = gang.groups[0]
         master = RayPending(gang, "address", [(first_group, 0, first_group.actors[0].address.remote())],
                             setup_timeout_s).get()[0]
-        order = list(group_ranks.items())
+        order = [(s.name, group_ranks[s.name]) for s in specs if s.join_world]
         entries = []
         for g, s in zip(gang.groups, specs):
             for rank, actor in enumerate(g.actors):
                 ctx = WorkerContext(rank=rank, size=s.size, global_rank=g.global_ranks[rank], world_size=world,
                                     group_ranks=group_ranks, name=s.name)
-                ref = actor.setup.remote(s.factory, ctx, backend, master, pg_timeout_s, order)
+                ref = actor.setup.remote(s.factory, ctx, backend if s.join_world else None, master, pg_timeout_s,
+                                         order)
                 entries.append((g, rank, ref))
         RayPending(gang, "setup", entries, setup_timeout_s).get()
     except BaseException:

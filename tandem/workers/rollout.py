@@ -1,10 +1,12 @@
 """The sampler role: one rollout engine that generates, and takes new weights between generations."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,15 @@ def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
                         max_num_batched_tokens=v.max_num_batched_tokens or None)
 
 
+def server_cores(global_rank: int, cores: int) -> str:
+    """The cores a vLLM server of this worker binds its threads to: `cores` of this process's allowed CPUs,
+    offset by the worker's global rank so that the servers of one host take different cores (VLLM_CPU_OMP_THREADS_BIND
+    list syntax)."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    start = global_rank * cores
+    return ",".join(str(allowed[(start + i) % len(allowed)]) for i in range(min(cores, len(allowed))))
+
+
 class RolloutWorker:
     """A sampler instance of split placement.
 
@@ -53,6 +64,10 @@ class RolloutWorker:
     def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
         self.cfg, self.ctx = cfg, ctx or WorkerContext()
         name, kwargs = engine_args(cfg, self.ctx.device)
+        if name == "vllm_server" and not kwargs.get("base_url"):
+            # its output beside the run's (a server that fails says why only there), and cores of its own
+            kwargs.update(log_path=str(Path(cfg.run.output_dir) / "vllm-server" / f"{self.ctx.name}-{self.ctx.rank}.log"),
+                          cpu_bind=server_cores(self.ctx.global_rank, cfg.placement.cpus_per_worker))
         self.engine = make_engine(name, **kwargs)
         self.version = 0
         self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
@@ -86,14 +101,25 @@ class RolloutWorker:
     def set_sync_plan(self, plan) -> None:
         self._plan = plan
 
+    def open_weight_channel(self, address: tuple[str, int], size: int) -> None:
+        """Join the trainers -> samplers weight channel: this worker is in no torch world (an engine may make its
+        own), so weights come over a process group of their own."""
+        from tandem.sync.channel import WeightChannel
+
+        self._channel = WeightChannel(address, self.ctx.global_rank, size, self.cfg.placement.sync_timeout_s,
+                                      self.ctx.device)
+
     def receive_weights(self, version: int) -> dict:
-        """Take part in the trainers' weight broadcast; stage the received full tensors for the next generate."""
+        """Take part in the trainers' weight send; stage the received full tensors for the next generate. Runs on
+        the actor's side lane, so it receives while a generate works."""
         from tandem.sync.reshard import reshard
 
         start = time.perf_counter()
         try:
+            self._channel.expect(version)  # the senders may still be training: no transfer timeout until then
+            start = time.perf_counter()
             out = reshard(self._plan, self.ctx.global_rank, {}, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20,
-                          device=self.ctx.device)  # a receive-only rank names where its tensors land
+                          device=self.ctx.device, channel=self._channel)  # a receive-only rank names the device
         except BaseException as exc:  # a generate waiting for these weights must not wait forever
             with self._arrived:
                 self._failed = exc
@@ -106,4 +132,9 @@ class RolloutWorker:
         return {"seconds": time.perf_counter() - start, "bytes": sum(t.numel() * t.element_size() for _, t in named)}
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            channel = getattr(self, "_channel", None)
+            if channel is not None:
+                channel.close()

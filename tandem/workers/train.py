@@ -149,13 +149,27 @@ class TrainWorker:
     def set_sync_plan(self, plan) -> None:
         self._plan = plan
 
+    def open_weight_channel(self, address: tuple[str, int], size: int) -> None:
+        """Join the trainers -> samplers weight channel (rank = global rank; global rank 0 hosts its store)."""
+        from tandem.sync.channel import WeightChannel
+
+        self._channel = WeightChannel(address, self.ctx.global_rank, size, self.cfg.placement.sync_timeout_s,
+                                      self.ctx.device)
+
     def send_weights(self, version: int) -> dict:
         from tandem.sync.reshard import reshard
 
         start = time.perf_counter()
+        if self.ctx.global_rank == 0:
+            self._channel.announce(version, sorted(self._plan.dst_shapes))
         reshard(self._plan, self.ctx.global_rank, self.local_weights(),
-                bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
+                bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, channel=self._channel)
         return self._synced(start, self._plan.bytes_moved)
+
+    def close(self) -> None:
+        channel = getattr(self, "_channel", None)
+        if channel is not None:
+            channel.close()
 
     def _synced(self, start: float, nbytes: int) -> dict:
         """A weight sync's stats; it ends the step on this worker. `finished_at` is wall-clock time: the controller

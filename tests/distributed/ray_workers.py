@@ -22,7 +22,7 @@ class ProbeWorker:
         return dict(rank=c.rank, size=c.size, global_rank=c.global_rank, world_size=c.world_size, name=c.name,
                     group_ranks=c.group_ranks, device=c.device, pid=os.getpid(), threads=torch.get_num_threads(),
                     omp=os.environ.get("OMP_NUM_THREADS"), tandem=tandem.__file__,
-                    group_is_world=c.group is dist.group.WORLD)
+                    group_is_world=c.group is dist.group.WORLD, in_a_world=dist.is_initialized())
 
     def add(self, x: int, y: int = 0) -> int:
         return x + y + 100 * self.ctx.rank

@@ -123,6 +123,23 @@ def test_two_groups_share_one_world(session):
         samplers.shutdown()
 
 
+def test_a_group_can_stay_outside_the_world(session):
+    """join_world=False (vLLM samplers): those workers are in no torch.distributed world, numbered after the
+    world's ranks; the others form a world of their own."""
+    trainers, samplers = start_groups([GroupSpec("trainers", ProbeWorker, 2),
+                                       GroupSpec("samplers", ProbeWorker, 1, join_world=False)], **BOUNDED)
+    try:
+        t, s = trainers.call("info"), samplers.call("info")
+        assert [i["global_rank"] for i in t + s] == [0, 1, 2]
+        assert all(i["in_a_world"] and i["world_size"] == 2 for i in t) and not s[0]["in_a_world"]
+        assert trainers.call("all_reduce", 1.0, world=True) == [2.0, 2.0]
+    finally:
+        trainers.shutdown()
+        samplers.shutdown()
+    with pytest.raises(ValueError, match="join_world=False must come after"):
+        start_groups([GroupSpec("samplers", ProbeWorker, 1, join_world=False), GroupSpec("trainers", ProbeWorker, 1)])
+
+
 def test_exception_names_worker_and_method_and_stops_the_group(session):
     group = start_group("trainers", ProbeWorker, 2, **BOUNDED)
     try:
