@@ -1,0 +1,71 @@
+"""Tiny random models of the architectures users bring (Llama 3, Qwen3, Gemma, Mistral, Phi-3, MoE), built locally."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP = 64, 2, 2, 2, 32, 128  # vLLM-CPU attention needs head_dim >= 32
+
+
+def _common(vocab: int, eos: int, pad: int) -> dict:
+    return dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS, intermediate_size=MLP, max_position_embeddings=512,
+                eos_token_id=eos, bos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False)
+
+
+def _configs(vocab: int, eos: int, pad: int) -> dict:
+    """model_type -> (config class name, kwargs): one entry per architecture of the zoo."""
+    c = _common(vocab, eos, pad)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+               norm_topk_prob=True)
+    return {
+        # Llama 3: GQA and its rope scaling (the 3.1 kind)
+        "llama": ("LlamaConfig", dict(c, head_dim=HEAD_DIM, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})),
+        "qwen3": ("Qwen3Config", dict(c, head_dim=HEAD_DIM, tie_word_embeddings=True)),
+        "gemma": ("GemmaConfig", dict(c, head_dim=HEAD_DIM, tie_word_embeddings=True,
+                                      hidden_activation="gelu_pytorch_tanh")),
+        "mistral": ("MistralConfig", dict(c, head_dim=HEAD_DIM, sliding_window=None)),
+        "phi3": ("Phi3Config", dict(c, pad_token_id=pad, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                                    original_max_position_embeddings=512)),
+        "qwen3_moe": ("Qwen3MoeConfig", dict(c, head_dim=HEAD_DIM, **moe)),
+        "mixtral": ("MixtralConfig", dict(c, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=None)),
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    """The demo's tokenizer, trained once per process (it is the slow part of building a model)."""
+    from tandem.data import arithmetic
+    from tandem.demo import build_tokenizer
+
+    return build_tokenizer(arithmetic.corpus(), 300)
+
+
+ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral")
+
+
+def build(folder: Path, model_type: str, seed: int = 0) -> Path:
+    """Save a randomly initialised tiny `model_type` with the demo's tokenizer into `folder` (HF format)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    tok = _tokenizer()
+    cls_name, kwargs = _configs(len(tok), tok.eos_token_id, tok.pad_token_id)[model_type]
+    cfg = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Random init gives near-uniform logits; a wider spread makes greedy decoding and logprob checks sharper.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
