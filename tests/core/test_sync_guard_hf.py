@@ -39,7 +39,10 @@ def test_mismatched_manifest_is_refused_and_the_engine_keeps_its_weights(engine,
     assert [(c.completion_ids, c.logprobs) for c in after] == [(c.completion_ids, c.logprobs) for c in before]
 
 
-def test_a_corrupted_sync_stops_the_run_naming_the_engine_and_the_parameter(tiny_model, tmp_path, monkeypatch):
+# on-policy (the check runs between the update's forwards and its optimizer step) and off-policy (mu = 2: it runs on
+# the old-logprob pass of `prepare`, before the first update)
+@pytest.mark.parametrize("extra", [(), ("algo.mu=2",)], ids=["on_policy", "mu2"])
+def test_a_corrupted_sync_stops_the_run_naming_the_engine_and_the_parameter(tiny_model, tmp_path, monkeypatch, extra):
     from tandem.rollout.hf import HFEngine
     from tandem.trainer import train
 
@@ -47,7 +50,7 @@ def test_a_corrupted_sync_stops_the_run_naming_the_engine_and_the_parameter(tiny
     monkeypatch.setattr(HFEngine, "load_weights", lambda self, named: load(self, corrupt(named)))
     out = tmp_path / "run"
     with pytest.raises(Exception, match="max_logprob_diff") as err:
-        train(guard_config(tiny_model, out))
+        train(guard_config(tiny_model, out, *extra))
     message = str(err.value)
     assert "hf engine" in message and STALE in message, message
     assert ", 1 of " in message  # only the corrupted tensor is named
