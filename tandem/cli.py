@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 
 from tandem.config import ConfigError, config_reference, load_config
+from tandem.signals import Stopped
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, KeyError)
 
@@ -125,7 +127,14 @@ def _resume_flags(p: argparse.ArgumentParser, otherwise: str) -> None:
                    help=f"resume, or start a new run where run.output_dir holds none yet (nothing in it); {otherwise}")
 
 
+def _commands(argv: list[str]) -> tuple[str, str]:
+    """This command line as one that resumes the run, and as one that starts it again."""
+    again = ["tandem"] + [a for a in argv if a not in ("--resume", "--resume-or-start")]
+    return shlex.join(again + ["--resume"]), shlex.join(again)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -136,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
+    except Stopped as stop:  # SIGTERM or SIGINT during a run: one line, no traceback (tandem.signals)
+        print(f"tandem: {stop.describe(*_commands(argv))}", file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside a run (checking the config, building the demo's model): no step ran
+        print("tandem: interrupted by SIGINT; no training step ran, nothing to save", file=sys.stderr)
+        return 128 + 2
 
 
 if __name__ == "__main__":

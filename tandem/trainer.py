@@ -5,7 +5,7 @@ import logging
 import time
 from collections import defaultdict, deque
 from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,11 +21,14 @@ from tandem.modeling import check_model_folder, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.rollout import Completion, Sampling
 from tandem.rundir import RunLock, Start, claim
+from tandem.signals import StopSignals, Stopped
 from tandem.workers import placement
 from tandem.workers.group import Pending
 from tandem.workers.placement import PendingRollout, Placement, Rollout, Synced
 
 log = logging.getLogger("tandem.trainer")
+
+STOP_POLL_S = 0.25  # how often a wait for samples looks for a stop request (its latency; each look is one ray.wait)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Run:
     rollouts: "Rollouts | None" = None
     last_finished: float = 0.0  # wall-clock end of the last finished step's weight sync
     lock: RunLock | None = None  # on run.output_dir, for the run's lifetime (None: evaluation only)
+    stop: StopSignals = field(default_factory=StopSignals)  # `train` installs its own; this one never fires
 
     def close(self) -> None:
         try:
@@ -151,13 +155,22 @@ class Rollouts:
         if not self.depth:
             with t("rollout"):
                 f = self._submit(step, rnd)
-                return f.prompts, f.pending.get()
+                return f.prompts, self._wait(f)
         while len(self.ahead) <= self.depth:  # the batch for this step plus `depth` ahead: the sampler never waits
             self.ahead.append(self._submit(self.next_step))
             self.next_step += 1
         f = self.ahead.popleft()
         with t("rollout"):  # under async this is the trainer's idle time waiting for samples
-            return f.prompts, f.pending.get()
+            return f.prompts, self._wait(f)
+
+    def _wait(self, f: InFlight) -> Rollout:
+        """The samples, unless a stop is asked for first: a step still sampling is what a stop drops."""
+        while True:
+            self.run.stop.check()
+            try:
+                return f.pending.get(timeout=STOP_POLL_S)
+            except TimeoutError:
+                pass
 
     def resume_state(self) -> dict:
         """The prompt stream as a resumed run must see it: batches sampled ahead but not trained are redone."""
@@ -251,6 +264,7 @@ def grpo_step(run: Run, step: int) -> Launched:
     cfg, a = run.cfg, run.cfg.algo
     t, launched_at = Timer(), time.time()
     comps, rewards, m = collect(run, step, t)
+    run.stop.check()  # the last moment a stop can drop this step: next, its update is queued
     lengths = torch.tensor([len(c.completion_ids) for c in comps])
     run.workers.observe_lengths(lengths)
     reward = torch.tensor(rewards, dtype=torch.float32)
@@ -303,20 +317,43 @@ def run_eval(run: Run) -> dict[str, float]:
     return {f"eval/{k}": v for k, v in res.items()}
 
 
-def save(run: Run, step: int) -> Path:
-    state = {"step": step, "data": run.rollouts.resume_state(), "config": run.cfg.model_dump(mode="json")}
+def save(run: Run, step: int, data: dict | None = None) -> Path:
+    """Checkpoint `step`; `data`: the prompt stream's position a resume starts from (default: the rollouts' now)."""
+    data = run.rollouts.resume_state() if data is None else data
+    state = {"step": step, "data": data, "config": run.cfg.model_dump(mode="json")}
     out = Path(run.cfg.run.output_dir)
     return checkpoint.save(out / "checkpoints", step, run.workers.save, state, run.cfg.run.keep_checkpoints,
                            flush_first=[out / METRICS_FILE])
 
 
 def train(cfg: Config, resume: bool | Start = False) -> dict[str, float]:
-    """Run GRPO as configured; returns the final evaluation (and the first one, when this run made it)."""
-    run = prepare(cfg, resume)
+    """Run GRPO as configured; returns the final evaluation (and the first one, when this run made it).
+
+    SIGTERM or SIGINT raises `tandem.signals.Stopped`: the step whose update is queued on the workers finishes, a
+    step still sampling or scoring is dropped, the last completed step is checkpointed (run.save_on_signal), metrics
+    are flushed and every worker stops. A second signal raises it at once, unsaved."""
     r = cfg.run
+    then = ("saves a checkpoint of the last completed step" if r.save_on_signal
+            else "exits unsaved (run.save_on_signal=false)")
+    with StopSignals(then) as stop:
+        try:
+            run = prepare(cfg, resume)  # a signal while starting stops at once: no step has finished to save
+            run.stop = stop
+            stop.running()
+            return _train(run)
+        except Stopped as stopped:
+            if not stopped.saved:
+                stopped.checkpoint = checkpoint.latest(Path(r.output_dir) / "checkpoints")
+            raise
+
+
+def _train(run: Run) -> dict[str, float]:
+    r = run.cfg.run
     summary: dict[str, float] = {}
-    metrics = MetricsLog(Path(r.output_dir), r.tensorboard, r.name, run.start_step if run.resumed else None)
+    metrics: MetricsLog | None = None
+    bar = None
     try:
+        metrics = MetricsLog(Path(r.output_dir), r.tensorboard, r.name, run.start_step if run.resumed else None)
         if run.start_step == 0:
             first = run_eval(run)
             metrics.log(0, first)
@@ -330,13 +367,17 @@ def train(cfg: Config, resume: bool | Start = False) -> dict[str, float]:
         def saves(step: int) -> bool:
             return _every(r.save_every, step) or step == r.steps
 
+        done = run.start_step  # the last step whose update is in the weights and whose metrics are logged
+
         def conclude(s: Launched) -> None:
+            nonlocal done
             m = finish(run, s)
             if evaluates(s.step):
                 m.update(run_eval(run))
             metrics.log(s.step, m)
             if saves(s.step):
                 save(run, s.step)
+            done = s.step
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['train/accuracy']:.2f}",
@@ -344,8 +385,16 @@ def train(cfg: Config, resume: bool | Start = False) -> dict[str, float]:
 
         queued: Launched | None = None  # a step whose update may still be running on the workers
         for step in range(run.start_step + 1, r.steps + 1):
+            # What a checkpoint of the step before this one records, should a stop drop this one half-sampled.
+            restart = run.rollouts.resume_state(), checkpoint.rng_state()
+            if run.stop.signum is not None:
+                break
             try:
                 launched = grpo_step(run, step)  # this step's samples were scored while `queued` trained
+            except Stopped as stopped:
+                if stopped.second:
+                    raise
+                break  # asked to stop before its update was queued: only its samples and scores are lost
             except BaseException:
                 if queued is not None:  # its update ran (or failed too): its metrics are not lost with this step
                     with suppress(Exception):
@@ -357,17 +406,38 @@ def train(cfg: Config, resume: bool | Start = False) -> dict[str, float]:
             if evaluates(step) or saves(step):
                 conclude(queued)  # evaluation and checkpoints see this step's update, and nothing queued after it
                 queued = None
-        if bar is not None:
-            bar.close()
-        final = metrics.history[-1] if metrics.history else {}
-        summary.update({k: v for k, v in final.items() if k.startswith("eval/")})
-        if r.plots:
-            metrics.plot()
-        print(metrics.summary())
+        else:
+            if bar is not None:
+                bar.close()
+            final = metrics.history[-1] if metrics.history else {}
+            summary.update({k: v for k, v in final.items() if k.startswith("eval/")})
+            if r.plots:
+                metrics.plot()
+            print(metrics.summary())
+            return summary
+        if queued is not None:
+            conclude(queued)  # its update is on the workers already: wait for it, so that it is saved and logged
+        raise _stopped(run, done, *restart)
     finally:
-        metrics.close()
-        run.close()
-    return summary
+        with run.stop.closing():
+            if bar is not None:
+                bar.close()
+            if metrics is not None:
+                metrics.close()
+            run.close()
+
+
+def _stopped(run: Run, done: int, data: dict, rng: dict) -> Stopped:
+    """The stop of a run whose last completed step is `done`: saved first, if asked and not on disk already."""
+    stopped = Stopped(run.stop.signum)
+    stopped.step = done
+    have = checkpoint.checkpoints(Path(run.cfg.run.output_dir) / "checkpoints")
+    if have and have[-1][0] == done:
+        stopped.checkpoint, stopped.saved = have[-1][1], True
+    elif done > 0 and run.cfg.run.save_on_signal:
+        checkpoint.set_rng_state(rng)  # as step `done` left it: nothing the dropped step drew reaches the resume
+        stopped.checkpoint, stopped.saved = save(run, done, data), True
+    return stopped
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

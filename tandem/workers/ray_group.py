@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -50,20 +51,41 @@ def _acquire_ray(address: str | None, num_cpus: float | None, num_gpus: int | No
                 return False  # the caller's own session: use it, never shut it down
             _ray_users += 1
             return True
-        if address is not None:
-            ray.init(address=address, log_to_driver=log_to_driver)
-        else:
-            folder = Path(temp_dir or Path(tempfile.gettempdir()) / "tandem-ray")
-            folder.mkdir(parents=True, exist_ok=True)
-            # address="local": never attach to another Ray found running on this machine (other users' sessions).
-            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address="127.0.0.1",
-                     include_dashboard=False, _temp_dir=str(folder), log_to_driver=log_to_driver,
-                     object_store_memory=object_store_memory,
-                     # Ray would pre-start one idle worker per CPU, which our actors never use (their runtime_env
-                     # differs): seconds of CPU on a small machine for nothing.
-                     _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
+        with _keeping_sigterm_handler():
+            _init_ray(ray, address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
         _ray_users = 1
         return True
+
+
+@contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """ray.init takes SIGTERM for itself (a handler that prints a stack and aborts the driver): the caller's handler
+    (tandem.signals, which checkpoints and then stops Ray) goes back in its place."""
+    if threading.current_thread() is not threading.main_thread():  # nothing to keep: only the main one can have one
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which cannot be put back from here
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init_ray(ray: Any, address: str | None, num_cpus: float | None, num_gpus: int | None, temp_dir: str | None,
+              log_to_driver: bool, object_store_memory: int | None) -> None:
+    if address is not None:
+        ray.init(address=address, log_to_driver=log_to_driver)
+    else:
+        folder = Path(temp_dir or Path(tempfile.gettempdir()) / "tandem-ray")
+        folder.mkdir(parents=True, exist_ok=True)
+        # address="local": never attach to another Ray found running on this machine (other users' sessions).
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address="127.0.0.1",
+                 include_dashboard=False, _temp_dir=str(folder), log_to_driver=log_to_driver,
+                 object_store_memory=object_store_memory,
+                 # Ray would pre-start one idle worker per CPU, which our actors never use (their runtime_env
+                 # differs): seconds of CPU on a small machine for nothing.
+                 _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
 
 
 def _release_ray() -> None:
@@ -398,11 +420,12 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         """Close the workers (best effort, bounded), kill the actors, free the placement, and stop Ray if the
-        group started it and no group started with it is still up."""
+        group started it and no group started with it is still up. Workers still running a call (one a stop
+        abandoned: samples nobody will use) are killed without a close, which would wait behind that call."""
         if self.closed:
             return
         ray = import_ray()
-        if self.gang.broken is None:
+        if self.gang.broken is None and not self._busy():
             refs = [a.close.remote() for a in self.actors]
             ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT_S)
         for actor in self.actors:
@@ -416,6 +439,12 @@ class RayWorkerGroup:
             pass
         self.closed = True
         self.gang.released()
+
+    def _busy(self) -> bool:
+        ray = import_ray()
+        refs = [ref for p in list(self.gang.in_flight) for ref, i in list(p._waiting.items())
+                if p._entries[i][0] is self]
+        return bool(refs) and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs)
 
     def __repr__(self) -> str:
         return f"RayWorkerGroup({self.name!r}, size={self.size}, global_ranks={self.global_ranks})"

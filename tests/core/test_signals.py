@@ -1,0 +1,153 @@
+"""A run told to stop stops well: SIGTERM and SIGINT save the last completed step and exit 128 + signal with one line,
+a second signal stops at once, and a run killed or stopped at random instants and resumed equals the one never stopped."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from signal_runs import (checkpoint_steps, descendants, launch, settings, still_alive, stopped_well, without_timing,
+                         write_config)
+from tandem import checkpoint
+from tandem.config import load_config
+from tandem.signals import StopSignals, Stopped
+from tandem.trainer import train
+
+
+def test_signals_in_each_state_and_the_handlers_put_back():
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def deliver(sig: int) -> None:
+        os.kill(os.getpid(), sig)
+        time.sleep(0.01)  # the handler runs in this thread, at the next instruction
+
+    with StopSignals() as stop:
+        with pytest.raises(Stopped) as starting:  # nothing has finished while starting: at once
+            deliver(signal.SIGTERM)
+        assert (starting.value.signum, starting.value.second, starting.value.exit_code) == (signal.SIGTERM, False, 143)
+    with StopSignals() as stop:
+        stop.running()
+        deliver(signal.SIGINT)  # recorded only
+        assert stop.signum == signal.SIGINT
+        with pytest.raises(Stopped) as checked:
+            stop.check()
+        assert not checked.value.second
+        with pytest.raises(Stopped) as second:
+            deliver(signal.SIGTERM)
+        assert second.value.second and second.value.exit_code == 143
+        with stop.closing():
+            deliver(signal.SIGINT)  # closing the workers is not cut short
+    assert {sig: signal.getsignal(sig) for sig in previous} == previous
+
+
+def test_train_off_the_main_thread_leaves_the_signals_alone(tiny_model, tmp_path):
+    """Python runs signal handlers in the main thread only: a run started from another thread installs none."""
+    cfg = write_config(tmp_path / "run.yaml", settings(tiny_model, tmp_path, steps=1, save_every=0, pause_s=0))
+    before = signal.getsignal(signal.SIGTERM)
+    seen = {}
+
+    def run():
+        try:
+            seen["summary"] = train(load_config(cfg, [f"run.output_dir={tmp_path / 'out'}", "reward_pool.workers=0"]))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            seen["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    assert "error" not in seen and "eval/accuracy" in seen["summary"], seen
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_killed_and_stopped_at_random_instants_then_resumed_equals_the_uninterrupted_run(tiny_model, tmp_path):
+    """One run, stopped four ways and resumed with `--resume` after each: SIGKILL and SIGTERM at random instants; a
+    terminal's SIGINT (to the whole process group) while a step is being scored, which drops that step and saves
+    the one queued before it; then SIGTERM while a reward takes a minute and a SIGINT after it, which stops at once,
+    unsaved. Its metrics (every field but timings) and final weights equal those of the run never stopped."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    cfg_long = write_config(tmp_path / "long.yaml", settings(tiny_model, tmp_path, steps=60, save_every=5, pause_s=60))
+    cfg = write_config(tmp_path / "run.yaml", settings(tiny_model, tmp_path, steps=60, save_every=5, pause_s=2))
+    gate, paused = tmp_path / "gate", tmp_path / "paused"
+    full = tmp_path / "full"
+    train(load_config(cfg, [f"run.output_dir={full}"]))
+    out = tmp_path / "stopped"
+    trail = [f"seed {seed}"]
+
+    def at_random_step(run, leg: str, low: int, high: int) -> None:
+        target, delay = rng.randint(low, high), rng.uniform(0, 0.03)
+        trail.append(f"{leg} at step {target} + {delay:.3f} s")
+        run.wait_for_step(target)
+        time.sleep(delay)
+
+    def paused_after(run, steps: int) -> int:
+        """Open the gate `steps` steps after the checkpoint (the last step logged, after a stop that saved); once
+        the pause has begun, the last step logged."""
+        run.wait_for_step(checkpoint_steps(out)[-1] + steps)
+        gate.touch()
+        run.wait_for(paused.exists, "the pause in scoring")
+        gate.unlink()
+        paused.unlink()
+        return run.metrics()[-1]["step"]
+
+    try:
+        run = launch(cfg, out)
+        run.wait_for(lambda: checkpoint_steps(out), "a first checkpoint")
+        at_random_step(run, "SIGKILL", 6, 15)
+        run.signal(signal.SIGKILL)
+        assert run.finish() == -signal.SIGKILL
+
+        logged = run.metrics()[-1]["step"]  # rows after the checkpoint stay until the resumed run drops them
+        run = launch(cfg, out, "--resume")
+        at_random_step(run, "SIGTERM", logged + 1, logged + 8)
+        pids = descendants()
+        run.signal(signal.SIGTERM)
+        stopped_well(run, signal.SIGTERM, pids)
+
+        run = launch(cfg, out, "--resume")
+        logged = paused_after(run, 3)
+        trail.append(f"SIGINT while step {logged + 1} or {logged + 2} was being scored")
+        pids = descendants()
+        run.signal(signal.SIGINT, group=True)
+        stopped = stopped_well(run, signal.SIGINT, pids)
+        assert stopped - logged in (0, 1)  # the step being scored was dropped; a queued step's line comes late
+
+        run = launch(cfg_long, out, "--resume")
+        paused_after(run, 2)
+        saved = checkpoint_steps(out)
+        pids = descendants()
+        run.signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert run.proc.poll() is None  # the first signal lets the scoring finish
+        start = time.monotonic()
+        run.signal(signal.SIGINT)
+        assert run.finish() == 130, run.tail()
+        assert time.monotonic() - start < 15  # not the minute the reward still had to go
+        last = out / "checkpoints" / f"step-{saved[-1]:08d}"
+        assert re.fullmatch(rf"tandem: stopped at once by a second SIGINT; not saved; the last checkpoint is "
+                            rf"{re.escape(str(last))}; resume with: tandem train .* --resume", run.last_line()), \
+            run.tail()
+        assert "Traceback" not in run.log.read_text()
+        assert checkpoint_steps(out) == saved and not list((out / "checkpoints").glob("*.tmp"))
+        assert not still_alive(pids), still_alive(pids)  # the reward worker asleep in its own session included
+
+        run = launch(cfg, out, "--resume")
+        assert run.finish() == 0, run.tail()
+        uninterrupted = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+        assert without_timing(run.metrics()) == without_timing(uninterrupted)
+        from safetensors.torch import load_file
+
+        a = load_file(str(checkpoint.latest(full / "checkpoints") / "model.safetensors"))
+        b = load_file(str(checkpoint.latest(out / "checkpoints") / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    except BaseException:
+        print("; ".join(trail))  # the random instants, to replay a failure
+        raise
