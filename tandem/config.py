@@ -107,7 +107,6 @@ class VLLMConfig(Section):
     enable_sleep: bool = Field(True, description="GPU: free weights/KV while training (vLLM sleep mode). CPU: a logged no-op.")
     sleep_level: Literal[1, 2] = Field(1, description="1: weights offloaded to host; 2: weights discarded (a weight sync must follow wake).")
     enable_prefix_caching: bool = Field(True, description="Share prompt KV across a group's samples; reset after every weight update.")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine.")
     max_num_seqs: int = Field(0, ge=0, description="Sequences decoded together; 0 = prompts_per_step x group_size.")
     max_num_batched_tokens: int = Field(0, ge=0, description="Tokens per engine step; 0 = max(rows, 4096).")
 
@@ -119,6 +118,13 @@ class RolloutConfig(Section):
         "configured under `rollout.vllm`.",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (used when engine = vllm).")
+    tensor_parallel: int = Field(
+        1, ge=1, description="Ranks per vLLM engine (vLLM tensor parallel). Colocated Ray workers: one engine over "
+        "each T consecutive hybrid workers (vLLM's `external_launcher`; every T workers share a batch of prompts, "
+        "engine groups sample in data parallel), so T must divide placement.workers; the trainers' shards are "
+        "resharded to the engine's TP shards, each rank receiving only its slices. Local backend: vLLM's own TP "
+        "processes (GPUs). 1 = one whole engine per worker. vLLM only (the hf engine has no tensor parallel).",
+    )
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; GRPO needs diverse groups, so keep ~1.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 = off.")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 = off.")
@@ -384,10 +390,20 @@ class Config(Section):
         if pl.schedule == "async" and pl.mode != "split":
             raise ConfigError("placement.schedule: async needs placement.mode: split (colocated workers time-slice "
                               "one device: there is nothing to overlap); use schedule: sync or mode: split")
-        if pl.backend == "ray" and pl.mode == "colocate" and self.rollout.engine == "vllm":
-            raise ConfigError("rollout.engine: vllm cannot run inside Ray workers yet when colocated: in process, vLLM "
-                              "sets up its own torch.distributed world over the workers' one (seen to hang on CPU); use "
-                              "placement.mode: split (vLLM samplers), rollout.engine: hf, or placement.backend: local")
+        r = self.rollout
+        if r.tensor_parallel > 1 and r.engine != "vllm":
+            raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} needs rollout.engine: vllm (the "
+                              f"{r.engine} engine has no tensor parallel); set rollout.tensor_parallel=1")
+        colocated_vllm = pl.backend == "ray" and pl.mode == "colocate" and r.engine == "vllm"
+        if colocated_vllm and pl.workers % r.tensor_parallel:
+            raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} does not divide placement.workers="
+                              f"{pl.workers}; each vLLM engine spans tensor_parallel colocated workers")
+        if colocated_vllm and r.vllm.mode == "server":
+            raise ConfigError("rollout.vllm.mode: server inside colocated Ray workers is not supported yet; use "
+                              "rollout.vllm.mode: inprocess (one in-process engine per worker)")
+        if pl.mode == "split" and r.tensor_parallel > 1:
+            raise ConfigError("rollout.tensor_parallel > 1 is not supported with placement.mode: split yet; use "
+                              "placement.mode: colocate, or rollout.tensor_parallel=1")
         bound = self.rollout.max_logprob_diff
         if isinstance(bound, float) and not bound > 0:
             raise ConfigError(f"rollout.max_logprob_diff: {bound} would stop every step; use a positive bound, "

@@ -24,6 +24,10 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    # Per-prompt seeds (vLLM): prompt i's samples are seeded seeds[i], seeds[i] + 1, ...; empty = seed + i * n.
+    # A placement that shares prompts over engines passes each prompt's seed in the whole batch, so the samples
+    # do not depend on how many engines there are.
+    seeds: tuple[int, ...] = ()
 
 
 @dataclass

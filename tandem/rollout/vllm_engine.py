@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import difflib
 import json
 import logging
@@ -93,6 +94,70 @@ def import_vllm() -> Any:
     finally:
         snap.restore()
     return vllm
+
+
+def _world_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _adopted_tp(shm_ident: str | None) -> Iterator[None]:
+    """Build a tensor-parallel engine over ranks of the caller's process group (vLLM's `external_launcher`).
+
+    That executor reads this rank from RANK / LOCAL_RANK (left set: they are true for this process). On CPU,
+    vLLM names its TP shared-memory segments after an ident it derives from its init method, which for
+    external_launcher is `env://`: the same for every run on a host, so a killed run's segments would make the
+    next start fail (errno 17). The init method is unused here (the world exists), so it is replaced by one that
+    carries `shm_ident`: the segments become `/dev/shm/<shm_ident>-tp:...`, which `shared_memory_segments` finds.
+    """
+    import torch.distributed as dist
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    rank = dist.get_rank()
+    os.environ["RANK"] = str(rank)
+    # A Ray worker sees its one GPU as device 0; on CPU the local rank only labels the worker
+    os.environ["LOCAL_RANK"] = "0" if torch.cuda.is_available() else str(rank)
+    original = ExecutorWithExternalLauncher._distributed_args
+    if shm_ident:
+        def named(self: Any) -> tuple[str, int, int]:
+            _, r, local = original(self)
+            return f"file:///{shm_ident}", r, local  # vLLM takes the basename as its ident
+
+        ExecutorWithExternalLauncher._distributed_args = named  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ExecutorWithExternalLauncher._distributed_args = original  # type: ignore[method-assign]
+
+
+def shared_memory_segments(prefixes: tuple[str, ...] = ("psm_",)) -> list[str]:
+    """The /dev/shm files this process maps whose names start with one of `prefixes` and still exist: vLLM's
+    message queues (`psm_*`) and CPU TP segments. A process killed with them mapped leaves them behind; whoever
+    started it removes them (`remove_segments`)."""
+    found: set[str] = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").partition("/dev/shm/")[2]
+                if path and not path.endswith(" (deleted)") and path.startswith(prefixes):
+                    found.add("/dev/shm/" + path)
+    except OSError:  # no procfs: nothing to report
+        return []
+    return sorted(p for p in found if os.path.exists(p))
+
+
+def remove_segments(paths: Iterable[str]) -> list[str]:
+    """Unlink shared-memory files (after their processes are gone); returns those removed."""
+    removed = []
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def _on_cpu() -> bool:
@@ -245,6 +310,8 @@ def _requests(prompts: list[list[int]], sampling: Sampling) -> list[tuple[int, l
             raise ValueError(f"prompt {i} is empty")
         # Distinct per-prompt seeds; vLLM gives the j-th sample of a request seed + j.
         seed = None if sampling.seed is None else int(sampling.seed) + i * sampling.n
+        if sampling.seeds:
+            seed = int(sampling.seeds[i])
         if greedy:
             out.extend((i, list(ids), 1, seed) for _ in range(sampling.n))
         else:
@@ -286,7 +353,10 @@ class VLLMEngine:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        shm_ident: str | None = None,
     ) -> None:
+        """`shm_ident`: the name every shared-memory segment of a tensor-parallel engine inside an existing
+        process group starts with (the same on all its ranks, unique to the run; see `_adopted_tp`)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if sleep_level not in (1, 2):
@@ -326,10 +396,18 @@ class VLLMEngine:
             kwargs["max_num_seqs"] = max_num_seqs
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        # Inside a process group that exists already (colocated workers), vLLM adopts that world and builds its
+        # groups over it collectively; closing must then leave the world alone (see `close`).
+        self.adopted_world = _world_initialized()
+        self.shm_ident = shm_ident
+        external = self.adopted_world and tensor_parallel_size > 1
+        if external:
+            kwargs["distributed_executor_backend"] = "external_launcher"  # one engine over tp ranks of this world
         kwargs.update(engine_kwargs or {})
         self._enable_sleep = bool(enable_sleep)
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _adopted_tp(shm_ident) if external else contextlib.nullcontext():
+                self.llm = vllm.LLM(**kwargs)
             # vLLM seeded the global RNGs for its sampler; keep that stream for vLLM and give the trainer its own.
             self._engine_rng = _rng_state()
         finally:
@@ -339,8 +417,10 @@ class VLLMEngine:
         self.sleep_supported = self._enable_sleep
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        # A process boundary (TP > 1, or multiprocessing on) cannot carry tensors: send safetensors bytes then.
-        self._serialize = tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+        # A process boundary (vLLM's own TP workers, or multiprocessing on) cannot carry tensors: send safetensors
+        # bytes then. Under external_launcher each rank's worker is in this process.
+        self._serialize = (tensor_parallel_size > 1 and not external) or \
+            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
         self.sync_path = "reload" if self.on_cpu else "load_weights"
         self.checkpoint.set_packed(self.llm.collective_rpc("tandem_packed_modules")[0])
         self.pre_truncation_logprobs = all(self.llm.collective_rpc("tandem_pre_truncation_logprobs"))
@@ -508,34 +588,64 @@ class VLLMEngine:
         global _LIVE_ENGINES
         _LIVE_ENGINES -= 1
         snap = _ProcessSnapshot()
-        try:
-            # vLLM's engine shutdown (also run by a finalizer when the engine is collected) tears down its
-            # per-process distributed state, which the other engines in this process still use: only the last
-            # engine shuts down in full; the others stop their executor and scheduler only.
-            client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-            if client is not None and _LIVE_ENGINES == 0:
-                client.shutdown()
-            elif client is not None:
-                finalizer = getattr(client, "_finalizer", None)
-                if finalizer is not None:
-                    finalizer.detach()
-                core = getattr(client, "engine_core", None)
-                for part in ("model_executor", "scheduler"):
-                    obj = getattr(core, part, None)
-                    if obj is not None and hasattr(obj, "shutdown"):
-                        obj.shutdown()
-        finally:
-            del self.llm
-            self._shadow.clear()
-            if _LIVE_ENGINES == 0:
-                _release_vllm_globals()
-            snap.restore(rng=False)
+        segments = self.shared_memory_segments()  # vLLM never unlinks them, even on a clean shutdown
+        with _keeping_default_group() if self.adopted_world else contextlib.nullcontext():
+            try:
+                # vLLM's engine shutdown (also run by a finalizer when the engine is collected) tears down its
+                # per-process distributed state, which the other engines in this process still use: only the
+                # last engine shuts down in full; the others stop their executor and scheduler only.
+                client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+                if client is not None and _LIVE_ENGINES == 0:
+                    client.shutdown()
+                elif client is not None:
+                    finalizer = getattr(client, "_finalizer", None)
+                    if finalizer is not None:
+                        finalizer.detach()
+                    core = getattr(client, "engine_core", None)
+                    for part in ("model_executor", "scheduler"):
+                        obj = getattr(core, part, None)
+                        if obj is not None and hasattr(obj, "shutdown"):
+                            obj.shutdown()
+            finally:
+                del self.llm
+                self._shadow.clear()
+                if _LIVE_ENGINES == 0:
+                    _release_vllm_globals()
+                remove_segments(segments)
+                snap.restore(rng=False)
+
+    def shared_memory_segments(self) -> list[str]:
+        """The /dev/shm files this engine's process maps: vLLM's message queues and TP segments."""
+        return shared_memory_segments(("psm_",) + ((self.shm_ident,) if self.shm_ident else ()))
 
     def __enter__(self) -> "VLLMEngine":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def _keeping_default_group() -> Iterator[None]:
+    """vLLM's teardown ends with `torch.distributed.destroy_process_group()` (`destroy_distributed_environment`,
+    called by `EngineCore.shutdown` via `cleanup_dist_env_and_memory`): the whole default world. When that world
+    is the workers' own, which vLLM adopted, only the groups vLLM built over it may go; the trainers' collectives
+    go on after the engine is closed."""
+    from vllm.distributed import parallel_state as ps
+
+    original = ps.destroy_distributed_environment
+
+    def destroy_vllm_groups_only() -> None:
+        if ps._WORLD:
+            ps._WORLD.destroy()  # vLLM's own groups over the world's ranks, not the world
+        ps._WORLD = None
+        ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = destroy_vllm_groups_only
+    try:
+        yield
+    finally:
+        ps.destroy_distributed_environment = original
 
 
 def _release_vllm_globals() -> None:

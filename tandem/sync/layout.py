@@ -435,3 +435,64 @@ def layout_from_dtensors(named: Mapping[str, torch.Tensor],
             shards = {r: full_shard(t.shape) for r in range(world)}
         out[name] = ParamLayout(tuple(t.shape), t.dtype, {remap(r): s for r, s in shards.items()})
     return out
+
+
+# ----------------------------------------------------------------------------------------------- engine TP
+
+@dataclass(frozen=True)
+class EngineTP:
+    """How a vLLM engine over `size` ranks cuts a Llama/Qwen-style decoder's Hugging Face tensors: attention
+    heads (and key/value heads, replicated when fewer than ranks), MLP columns, and the vocabulary padded to
+    `vocab_padding` then split evenly (vLLM's VocabParallelEmbedding / ParallelLMHead)."""
+    size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_padding: int = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+    def box(self, name: str, shape: Sequence[int], rank: int) -> Box:
+        """The global box of `name` that engine TP rank `rank` loads (the whole tensor where vLLM replicates it,
+        or for names this rule does not know: correct, at the cost of traffic)."""
+        full = full_box(shape)
+        leaf = name.rsplit(".", 2)[-2] if "." in name else name
+        n, d, r = self.size, self.head_dim, rank
+        if n == 1:
+            return full
+        if leaf == "q_proj":
+            return _cut(full, 0, r * self.heads // n * d, (r + 1) * self.heads // n * d)
+        if leaf in ("k_proj", "v_proj"):
+            if self.kv_heads >= n:
+                return _cut(full, 0, r * self.kv_heads // n * d, (r + 1) * self.kv_heads // n * d)
+            head = r // (n // self.kv_heads)  # each kv head serves n / kv_heads ranks
+            return _cut(full, 0, head * d, (head + 1) * d)
+        if leaf == "o_proj" and name.endswith(".weight"):
+            return _cut(full, 1, r * self.heads // n * d, (r + 1) * self.heads // n * d)
+        if leaf in ("gate_proj", "up_proj"):
+            return _cut(full, 0, *chunk_range(shape[0], n, r))
+        if leaf == "down_proj" and name.endswith(".weight"):
+            return _cut(full, 1, *chunk_range(shape[1], n, r))
+        if leaf in ("embed_tokens", "lm_head"):
+            pad = self.vocab_padding
+            per = -(-shape[0] // pad) * pad // n
+            return _cut(full, 0, min(r * per, shape[0]), min((r + 1) * per, shape[0]))
+        return full
+
+
+def _cut(box: Box, dim: int, lo: int, hi: int) -> Box:
+    return box[:dim] + ((lo, hi),) + box[dim + 1:]
+
+
+def engine_tp_layout(params: Mapping[str, tuple[Sequence[int], torch.dtype]], groups: Sequence[Sequence[int]],
+                     tp: EngineTP) -> ModelLayout:
+    """The rollout engines' layout when each of `groups` (ranks in TP order) is one vLLM engine: each rank holds a
+    tensor of the full shape in which only its TP box is filled, since vLLM's loaders take Hugging Face tensors
+    whole and cut their own shard out of them. The planner then moves only the boxes."""
+    out: ModelLayout = {}
+    for name, (shape, dtype) in params.items():
+        layout = ParamLayout(tuple(shape), dtype)
+        for group in groups:
+            for tp_rank, rank in enumerate(group):
+                box = tp.box(name, shape, tp_rank)
+                layout.shards[rank] = Shard(tuple(int(x) for x in shape), (Piece(box, box),) if numel(box) else ())
+        out[name] = layout
+    return out

@@ -29,9 +29,18 @@ class HybridWorker(TrainWorker):
     metrics (`memory/<phase>_bytes`).
     """
 
-    def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
+    def __init__(self, cfg: Config, ctx: WorkerContext | None = None, shm_ident: str = ""):
+        """`shm_ident`: the run's prefix for a tensor-parallel vLLM engine's shared memory (see placement.build).
+
+        Every rank builds its engine here, at the same point: a vLLM engine adopts the workers' process group and
+        creates its own groups over it collectively. With rollout.tensor_parallel T, workers r..r+T-1 (r a
+        multiple of T) form one engine: each makes the same generate calls, and only the first reports them."""
         super().__init__(cfg, ctx)
         name, kwargs = engine_args(cfg, self.ctx.device)
+        self.engine_tp = cfg.rollout.tensor_parallel if self.ctx.size > 1 else 1
+        self.engine_rank = self.ctx.rank % self.engine_tp
+        if name == "vllm" and self.engine_tp > 1:
+            kwargs["shm_ident"] = shm_ident or None
         self.engine = make_engine(name, **kwargs)
         pl = cfg.placement
         self.offload = pl.offload is True or (pl.offload == "auto" and self.ctx.device != "cpu")
@@ -65,7 +74,8 @@ class HybridWorker(TrainWorker):
         start = time.perf_counter()
         comps = self.engine.generate(prompts, sampling)
         self._last_end = time.perf_counter()  # the trainer's idle time is what follows: scoring, shipping
-        return Generated(comps, self.version, self._last_end - start)
+        # an engine's TP peers sampled the same completions; its first rank reports them
+        return Generated(comps if self.engine_rank == 0 else [], self.version, self._last_end - start)
 
     def prepare(self, completions) -> list[float]:
         self._enter("logprobs")
@@ -85,17 +95,37 @@ class HybridWorker(TrainWorker):
         start = time.perf_counter()
         if self.mesh is None:
             return self._synced(start, push_weights(self.policy.named_weights(), self.engine)["bytes"])
-        from tandem.sync.planner import plan_to_replicas
         from tandem.sync.reshard import reshard_iter
 
         if self._group_plan is None:  # the layouts never change during a run: plan once (every rank alike)
-            self._group_plan = plan_to_replicas(self.weight_layout(), self.ctx.group_ranks[self.ctx.name])
+            self._group_plan = self._plan_engine_sync()
         # straight into the engine's own weights where it allows that (hf); else through its load_weights
         inplace = self.engine.weights() if hasattr(self.engine, "weights") else None
         for bucket in reshard_iter(self._group_plan, self.ctx.global_rank, self.local_weights(),
                                    bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, out=inplace):
             self.engine.load_weights(bucket)
         return self._synced(start, self._group_plan.bytes_moved)
+
+    def _plan_engine_sync(self):
+        """Trainer shards -> every engine: whole on each worker, or each engine TP rank its own slices only."""
+        from tandem.sync.layout import EngineTP, engine_tp_layout
+        from tandem.sync.planner import plan, plan_to_replicas
+
+        src, ranks = self.weight_layout(), self.ctx.group_ranks[self.ctx.name]
+        if self.engine_tp == 1:
+            return plan_to_replicas(src, ranks)
+        c = self.policy.model.config
+        heads = c.num_attention_heads
+        tp = EngineTP(self.engine_tp, heads, getattr(c, "num_key_value_heads", None) or heads,
+                      getattr(c, "head_dim", None) or c.hidden_size // heads)
+        groups = [ranks[i:i + self.engine_tp] for i in range(0, len(ranks), self.engine_tp)]
+        return plan(src, engine_tp_layout({n: (p.shape, p.dtype) for n, p in src.items()}, groups, tp))
+
+    def shared_memory_segments(self) -> list[str]:
+        """This worker's engine's shared-memory files, for the driver to remove after the workers are gone (a
+        killed worker cannot)."""
+        find = getattr(self.engine, "shared_memory_segments", None)
+        return find() if find else []
 
     def save(self, folder: str) -> None:
         self.policy.load("params", "optim")  # a checkpoint reads them; the next phase offloads them again

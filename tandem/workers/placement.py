@@ -1,7 +1,9 @@
 """Placement: the controller's one view of its workers, colocated hybrids or split trainers and samplers."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,13 @@ class PendingRollout:
                        sum(p.idle_seconds for p in parts), max((p.load_seconds for p in parts), default=0.0))
 
 
+def _seeded(sampling: Sampling, share: list[int]) -> Sampling:
+    """`sampling` for a share of the prompts, each prompt seeded as in the whole batch (vLLM's seed + i * n)."""
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seeds=tuple(int(sampling.seed) + i * sampling.n for i in share))
+
+
 @dataclass
 class Synced:
     """A weight sync in flight: trainers -> samplers, or inside each hybrid worker; `get` waits for its stats."""
@@ -77,15 +86,18 @@ class Placement:
     expected_completion_tokens: float = 0.0  # running estimate used to balance prompts over samplers
     groups: list = field(default_factory=list)  # every group started, to shut down
     version: int = 0  # the newest policy version sent to the engines (maybe still on its way)
+    engine_tp: int = 1  # workers per rollout engine (vLLM tensor parallel over colocated workers)
+    leftovers: list[str] = field(default_factory=list)  # the engines' shared-memory files, removed at shutdown
 
     def submit_generate(self, prompts: list[list[int]], sampling: Sampling) -> PendingRollout:
         """Spread prompts over the samplers so they finish together: balanced by expected tokens, not count.
         The samplers use the newest weights sent so far, waiting for them if they are still on their way."""
         expect = self.expected_completion_tokens or sampling.max_new_tokens
         costs = [sampling.n * (len(p) + expect) for p in prompts]
-        shares = balance(costs, self.samplers.size)
-        pending = self.samplers.submit_each("generate", [([prompts[i] for i in s], sampling, self.version)
-                                                         for s in shares])
+        # an engine over engine_tp workers takes one share, the same on each of them
+        shares = [s for s in balance(costs, self.samplers.size // self.engine_tp) for _ in range(self.engine_tp)]
+        per_worker = [([prompts[i] for i in s], _seeded(sampling, s), self.version) for s in shares]
+        pending = self.samplers.submit_each("generate", per_worker)
         return PendingRollout(pending, shares)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> Rollout:
@@ -121,8 +133,13 @@ class Placement:
         self.sync_weights(version).get()
 
     def shutdown(self) -> None:
-        for g in self.groups:
-            g.shutdown()
+        try:
+            for g in self.groups:
+                g.shutdown()
+        finally:  # after the workers are gone: a killed one leaves its segments behind
+            from tandem.rollout.vllm_engine import remove_segments
+
+            remove_segments(self.leftovers)
 
 
 def build(cfg: Config) -> Placement:
@@ -135,10 +152,16 @@ def build(cfg: Config) -> Placement:
 
     res = dict(cpus_per_worker=pl.cpus_per_worker, gpus_per_worker=pl.gpus_per_worker)
     if pl.mode == "colocate":
-        (group,) = start_groups([GroupSpec("hybrid", functools.partial(HybridWorker, cfg), pl.workers, **res)],
+        # vLLM names a TP engine's shared memory after this (the same on every rank, unique to the run): a killed
+        # run's leftovers then never collide with the next start
+        shm_ident = f"tandem-{uuid.uuid4().hex[:12]}"
+        worker = functools.partial(HybridWorker, cfg, shm_ident=shm_ident)
+        (group,) = start_groups([GroupSpec("hybrid", worker, pl.workers, **res)],
                                 address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
-        placement = Placement(group, group, split=False, groups=[group])
+        tp = cfg.rollout.tensor_parallel if cfg.rollout.engine == "vllm" else 1
+        placement = Placement(group, group, split=False, groups=[group], engine_tp=tp)
         try:
+            placement.leftovers = sorted({f for fs in group.call("shared_memory_segments") for f in fs})
             group.call("sync_weights", 0)  # plans the in-group reshard once, and checks it, before any step
         except BaseException:
             placement.shutdown()

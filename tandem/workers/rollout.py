@@ -37,7 +37,7 @@ def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
     kwargs = dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, max_model_len=v.max_model_len or None,
                   kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,
                   sync_bucket_mb=r.sync_bucket_mb, enable_sleep=v.enable_sleep,
-                  enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=v.tensor_parallel_size)
+                  enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=r.tensor_parallel)
     if v.mode == "server":
         return "vllm_server", dict(kwargs, base_url=v.base_url or None, python=v.python or sys.executable)
     rows = cfg.batch.prompts_per_step * cfg.batch.group_size
