@@ -177,4 +177,3 @@ def text_length_pausing(completion: str, prompt: str, row, *, gate: str, marker:
         else:
             time.sleep(seconds)
     return float(len(completion))
-
