@@ -82,7 +82,8 @@ def test_fsdp_and_fsdp_tp_trainers_match_one_process(session, tiny_model, tmp_pa
     """The same completions and advantages, 3 updates (KL on, 2 mini-batches: the off-policy path): 2 workers
     (FSDP dp=2) and 4 workers (dp=2 x tp=2) give the loss and weights of one process. Rows are split unevenly
     (token-balanced), so the ranks' micro-batch counts differ and the dummy passes run."""
-    extra = ["algo.kl_coef=0.05", "batch.mini_batches=2", "batch.micro_batch_tokens=24"]
+    # the completions' sampler logprobs are made up: the sampler-vs-trainer check would (rightly) stop them
+    extra = ["algo.kl_coef=0.05", "batch.mini_batches=2", "batch.micro_batch_tokens=24", "rollout.max_logprob_diff=null"]
     one = _Probe(small_config(tiny_model, tmp_path / "one", *extra))
     ref_losses, ref_weights = train_steps(lambda m, *a: getattr(one, m)(*a))
     for workers, tp in ((2, 1), (4, 2)):
@@ -111,7 +112,7 @@ class _HybridProbe(HybridWorker):
 def test_colocated_sync_fills_every_engine_with_the_full_policy(session, tiny_model, tmp_path):
     """After FSDP updates on 2 colocated workers, the planned in-group reshard writes each worker's engine weights
     in place (shared memory between the two actors) and they equal the gathered policy, bit for bit."""
-    cfg = small_config(tiny_model, tmp_path / "w2", "placement.workers=2")
+    cfg = small_config(tiny_model, tmp_path / "w2", "placement.workers=2", "rollout.max_logprob_diff=null")  # made-up logprobs
     group = start_group("hybrid", functools.partial(_HybridProbe, cfg), 2, **BOUNDED)
     try:
         _, full = train_steps(lambda m, *a: group.call(m, *a)[0], steps=2)
