@@ -72,7 +72,6 @@ class RolloutEngine(Protocol):
         """Per-parameter checksums (float64 sum, L2 norm) of the weights the engine samples with."""
         ...
 
-
     def sleep(self) -> int:
         """Release device memory (weights, KV cache) while the trainer runs; returns bytes released."""
         ...
