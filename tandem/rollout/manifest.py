@@ -64,6 +64,14 @@ def check_manifest(expected: Mapping[str, Spec], given: Iterable[tuple[str, obje
                             f"its weights): " + "; ".join(problems))
 
 
+def check_plan(expected: Mapping[str, Spec], planned: Mapping[str, Spec], engine: str,
+               aliases: Mapping[str, str] | None = None) -> None:
+    """A streamed sync (bucket by bucket, planned once) must bring the engine every parameter: check the plan's
+    names, global shapes and dtypes as one whole sync, before its first bucket is written."""
+    check_manifest(expected, [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, (shape, dtype) in
+                              planned.items()], engine, complete=True, aliases=aliases)
+
+
 @torch.no_grad()
 def digest(tensor: torch.Tensor) -> Digest:
     """Reductions only, no copy of the tensor (the sum accumulates in float64 inside the kernel)."""

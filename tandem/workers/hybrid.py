@@ -108,10 +108,13 @@ class HybridWorker(TrainWorker):
 
     def _plan_engine_sync(self):
         """Trainer shards -> every engine: whole on each worker, or each engine TP rank its own slices only."""
+        from tandem.rollout.manifest import check_plan
         from tandem.sync.layout import EngineTP, engine_tp_layout
         from tandem.sync.planner import plan, plan_to_replicas
 
         src, ranks = self.weight_layout(), self.ctx.group_ranks[self.ctx.name]
+        check_plan(self.engine.manifest(), {n: (tuple(p.shape), p.dtype) for n, p in src.items()},
+                   f"worker {self.ctx.global_rank}'s engine", self.engine.weight_aliases())
         if self.engine_tp == 1:
             return plan_to_replicas(src, ranks)
         c = self.policy.model.config

@@ -99,6 +99,12 @@ class RolloutWorker:
         return max(self.version, self._staged[0] if self._staged else -1)
 
     def set_sync_plan(self, plan) -> None:
+        """The trainers' plan; refused here, before any weights move, unless it brings this engine every parameter
+        with the engine's shape and dtype (each later load is checked again as it arrives)."""
+        from tandem.rollout.manifest import check_plan
+
+        check_plan(self.engine.manifest(), {n: (shape, dst) for n, (shape, _, dst) in plan.params.items()},
+                   f"sampler {self.ctx.global_rank}'s engine", self.engine.weight_aliases())
         self._plan = plan
 
     def open_weight_channel(self, address: tuple[str, int], size: int) -> None:

@@ -71,3 +71,26 @@ def test_the_check_can_be_turned_off_and_passes_clean_syncs(tiny_model, tmp_path
     train(guard_config(tiny_model, tmp_path / "off", "rollout.max_logprob_diff=null"))
     rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["logprob_diff"] > 1e-3  # what the check would have stopped
+
+
+def test_a_streamed_sync_plan_that_misses_a_parameter_is_refused_before_any_weights_move(engine):
+    """Colocated reshards and split samplers load bucket by bucket: their plan is checked whole, up front."""
+    from tandem.rollout.manifest import check_plan
+    from tandem.sync.layout import replicated_layout
+    from tandem.sync.planner import plan_to_replicas
+    from tandem.workers.rollout import RolloutWorker
+
+    specs = {n: (tuple(p.shape), p.dtype) for n, p in engine.weights().items()}
+    check_plan(engine.manifest(), specs, "the hf engine")  # a whole plan passes
+    dropped = sorted(specs)[-1]
+    short = {n: s for n, s in specs.items() if n != dropped}
+    with pytest.raises(ManifestError, match=f"1 of the engine's {len(specs)} parameters missing: '{dropped}'"):
+        check_plan(engine.manifest(), short, "the hf engine")
+    sampler = RolloutWorker.__new__(RolloutWorker)  # the check needs only its engine and rank
+    sampler.engine, sampler._plan = engine, None
+    sampler.ctx = type("Ctx", (), {"global_rank": 1})()
+    with pytest.raises(ManifestError, match=f"sampler 1's engine.*'{dropped}'"):
+        sampler.set_sync_plan(plan_to_replicas(replicated_layout(short, [0]), [1]))
+    assert sampler._plan is None
+    sampler.set_sync_plan(plan_to_replicas(replicated_layout(specs, [0]), [1]))
+    assert sampler._plan is not None
