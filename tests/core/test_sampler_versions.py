@@ -14,9 +14,19 @@ PROMPTS = [[5, 6, 7], [8, 9]]
 SAMPLING = Sampling(n=2, max_new_tokens=3, seed=0)
 
 
+class _AnnouncedChannel:
+    """The weight channel as the samplers see it once trainer 0 has announced the version (the transfer itself is
+    the monkeypatched reshard)."""
+
+    def expect(self, version: int) -> None:
+        pass
+
+
 def _worker(model, tmp_path) -> RolloutWorker:
     cfg = load_config(None, [f"model.path={model}", f"run.output_dir={tmp_path}"])
-    return RolloutWorker(cfg)
+    worker = RolloutWorker(cfg)
+    worker._channel = _AnnouncedChannel()
+    return worker
 
 
 def _in_thread(fn):
