@@ -38,6 +38,12 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory) -> Path:
+    """tiny_model's shape with head_dim 32: vLLM's CPU attention has no kernel for tiny_model's 8."""
+    return save_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden=128)
+
+
+@pytest.fixture(scope="session")
 def chat_model(tmp_path_factory) -> Path:
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                 "{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -103,6 +103,10 @@ def build_root(new, uid):
     global pivoted
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tandem-root", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    # The private /tmp first: what is bound below it (a checkout or venv under /tmp) goes on top of it, not under.
+    os.makedirs(new + "/tmp", 0o755, exist_ok=True)
+    mount("tandem-sandbox", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={TMPFS_MB}m,nr_inodes=4096,mode=0700,uid={uid},gid={uid}")
     masks = []
     for entry in binds:
         kind, path = entry[0], entry[1]
@@ -128,9 +132,6 @@ def build_root(new, uid):
             mount(None, target, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC | (keep & ~MS_NODEV))
         else:
             mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
-    os.makedirs(new + "/tmp", 0o755, exist_ok=True)
-    mount("tandem-sandbox", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={TMPFS_MB}m,nr_inodes=4096,mode=0700,uid={uid},gid={uid}")
     if done["pid"]:  # a /proc of the new pid namespace only: the trainer's processes are not in it
         os.makedirs(new + "/proc", 0o755, exist_ok=True)
         try:

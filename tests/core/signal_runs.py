@@ -96,6 +96,8 @@ class Launched:
 
 def launch(config: Path, out: Path, *flags: str) -> Launched:
     """`tandem train CONFIG run.output_dir=OUT FLAGS...` in a session of its own (its process group is its own)."""
+    _BEFORE_LAUNCH.clear()
+    _BEFORE_LAUNCH.update(_children_now())
     log = out.with_name(out.name + f"-{time.monotonic_ns()}.log")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CORE), os.environ.get("PYTHONPATH", "")]))
     with log.open("w") as f:
@@ -105,14 +107,23 @@ def launch(config: Path, out: Path, *flags: str) -> Launched:
     return Launched(proc, out, log)
 
 
-def descendants() -> set[int]:
-    """This test process's live descendants (the trainer, its reward workers, Ray's processes and actors)."""
+def _children_now() -> set[int]:
     sys.path.insert(0, str(CORE.parent / "distributed"))
     try:
         from procs import descendants as found
     finally:
         sys.path.remove(str(CORE.parent / "distributed"))
     return {pid for pid, _ in found()}
+
+
+_BEFORE_LAUNCH: set[int] = set()  # the test process's descendants just before the latest launch
+
+
+def descendants() -> set[int]:
+    """This test process's live descendants started since the latest launch (the trainer, its reward workers, Ray's
+    processes and actors), not helpers it had before (multiprocessing's resource tracker, started by an earlier
+    test in the same pytest process)."""
+    return _children_now() - _BEFORE_LAUNCH
 
 
 def still_alive(pids: set[int], grace: float = 10.0) -> list[str]:

@@ -36,13 +36,6 @@ from tandem.workers.ray_group import start_group  # noqa: E402
 VLLM = ("rollout.engine=vllm", "rollout.vllm.kv_cache_mb=64")
 
 
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory):
-    """tiny_model's shape with head_dim 32: vLLM's CPU attention has no kernel for tiny_model's 8."""
-    from conftest import save_tiny_model
-
-    return save_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden=128)
-
 
 # ------------------------------------------------------------------------------------------------ config
 
