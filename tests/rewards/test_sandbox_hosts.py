@@ -66,6 +66,16 @@ def _python_under_root() -> str:
     return python
 
 
+def _as_user(top: str, where: str, cwd: str, command: str) -> str:
+    """A shell script for `unshare -m`: /root becomes uid USER's own 0700 home holding `top` (the interpreter's
+    tree, bound back in), then `command` runs as USER in `cwd` with an empty environment."""
+    stash = os.path.join(where, "stash")
+    os.mkdir(stash)
+    return (f"mount --bind {top} {stash} && mount -t tmpfs -o mode=0700,uid={USER},gid={USER} home /root"
+            f" && mkdir {top} && mount --bind {stash} {top} && cd {cwd} &&"
+            f" exec setpriv --reuid={USER} --regid={USER} --clear-groups env -i PATH=/usr/bin:/bin HOME=/root {command}")
+
+
 def run_elsewhere(as_user: bool, namespaces: bool) -> dict:
     """Run PROBE against a copy of the sandbox module: as uid USER whose 0700 home (/root, in a private mount
     namespace) holds the interpreter, or as root; with or without namespaces."""
@@ -80,12 +90,7 @@ def run_elsewhere(as_user: bool, namespaces: bool) -> dict:
         top = "/root/" + python[len("/root/"):].split("/")[0]  # e.g. /root/.pyenv
         run = f"{python} {where}/probe.py {where}"
         if as_user:
-            stash = os.path.join(where, "stash")
-            os.mkdir(stash)
-            script = (f"mount --bind {top} {stash} && mount -t tmpfs -o mode=0700,uid={USER},gid={USER} home /root"
-                      f" && mkdir {top} && mount --bind {stash} {top} && cd / &&"
-                      f" exec setpriv --reuid={USER} --regid={USER} --clear-groups env -i PATH=/usr/bin:/bin"
-                      f" HOME=/root {run}")
+            script = _as_user(top, where, "/", run)
         else:
             script = f"cd / && exec env -i PATH=/usr/bin:/bin {run}"
         proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
@@ -218,12 +223,7 @@ def test_the_sandbox_suites_pass_as_a_user_whose_python_is_under_its_private_hom
             f.write(("" if namespaces else NO_NAMESPACES) +
                     "import sys, pytest\nsys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rs', "
                     "'tests/rewards/test_sandbox.py', 'tests/rewards/test_reward_hacks.py']))\n")
-        stash = os.path.join(where, "stash")
-        os.mkdir(stash)
-        script = (f"mount --bind {top} {stash} && mount -t tmpfs -o mode=0700,uid={USER},gid={USER} home /root"
-                  f" && mkdir {top} && mount --bind {stash} {top} && cd {repo} &&"
-                  f" exec setpriv --reuid={USER} --regid={USER} --clear-groups env -i PATH=/usr/bin:/bin"
-                  f" HOME=/root {sys.executable} {runner}")
+        script = _as_user(top, where, repo, f"{sys.executable} {runner}")
         proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
                               capture_output=True, text=True, timeout=600)
     finally:
