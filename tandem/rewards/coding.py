@@ -78,6 +78,9 @@ def run_test(solution: str, test: CodeTest, limits: SandboxLimits, packages: Seq
     return judge_python(solution, test.assert_code, limits, packages=packages).passed is True
 
 
+_WARNED: set[tuple[str, ...]] = set()  # package sets already warned about: once per run, not once per call
+
+
 def check_sandbox(packages: Sequence[str] = (), allow_weak_sandbox: bool = False) -> None:
     """Refuse (SandboxBroken) a sandbox that fails its self-test, or a weak one unless `allow_weak_sandbox`; warn
     loudly, naming what is not contained, when a weak one is allowed. Checked once per package set."""
@@ -92,13 +95,10 @@ def check_sandbox(packages: Sequence[str] = (), allow_weak_sandbox: bool = False
             f"model-written program could {what}. Run where unprivileged user namespaces are allowed "
             "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0, or a container with them), "
             "or accept the risk with the code reward's kwargs: {allow_weak_sandbox: true}")
-    if (tuple(packages), True) not in _WARNED:
-        _WARNED.add((tuple(packages), True))
+    if tuple(packages) not in _WARNED:
+        _WARNED.add(tuple(packages))
         log.warning("!!! CODE SANDBOX IS WEAK (allow_weak_sandbox: true; isolation %s): a model-written program "
                     "could %s. Only rlimits, a new session and a scrubbed environment confine it.", iso, what)
-
-
-_WARNED: set = set()
 
 
 def preflight(cpu_s: int = 2, wall_s: float = 5.0, memory_mb: int = 1024, parallel: int | None = None,
