@@ -138,9 +138,10 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-# What a reward may raise and still be only a failure of its sample, wherever it runs: any Exception, and
-# SystemExit (a reward that calls sys.exit()). KeyboardInterrupt is not: in the trainer's process it is the user's
-# Ctrl-C and stops the run; a pool worker never gets the user's (its own session), so there one is a crash.
+# What reward code may raise and still be only a failure of that reward, wherever it runs (a call, the __float__
+# of what it returned, its warm-up, its preflight): any Exception, and SystemExit (sys.exit()). KeyboardInterrupt
+# is not: in the trainer's process it is the user's Ctrl-C and stops the run; a pool worker never gets the user's
+# (its own session), so there one is a crash.
 REWARD_FAILURES = (Exception, SystemExit)
 
 # An outcome per sample: (score, "", "") or (None, kind, message).
@@ -155,7 +156,7 @@ def call_one(fn: Callable[..., Any], args: tuple, kwargs: Mapping) -> Outcome:
         return None, "raised", repr(exc)[:500]
     try:
         return _finite(value), "", ""
-    except Exception as exc:  # a __float__ may raise anything
+    except REWARD_FAILURES as exc:
         return None, "bad_value", str(exc)[:500]
 
 
@@ -173,7 +174,7 @@ def call_batched(fn: Callable[..., Any], completions: list, prompts: list, rows:
     for value in values:
         try:
             out.append((_finite(value), "", ""))
-        except Exception as exc:
+        except REWARD_FAILURES as exc:
             out.append((None, "bad_value", str(exc)[:500]))
     return out
 
@@ -184,7 +185,10 @@ def _finite(value: Any) -> float:
         return float(value)
     if isinstance(value, (str, bytes)) or not (isinstance(value, (int, float)) or hasattr(value, "__float__")):
         raise TypeError(f"returned {type(value).__name__} {value!r:.80}, expected a number")
-    x = float(value)
+    try:
+        x = float(value)
+    except REWARD_FAILURES as exc:  # the reward's own number type: its __float__ may raise anything, sys.exit too
+        raise TypeError(f"returned {type(value).__name__}, whose float() raised {exc!r}"[:500]) from None
     if not math.isfinite(x):
         raise ValueError(f"returned non-finite {x}")
     return x
@@ -233,7 +237,7 @@ def _preflight(name: str, rf: RewardFn, kwargs: dict) -> None:
         return
     try:
         check(**kwargs)
-    except Exception as exc:
+    except REWARD_FAILURES as exc:
         raise RewardSetupError(f"reward {name!r} cannot run: {exc}") from exc
 
 

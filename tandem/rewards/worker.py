@@ -19,7 +19,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from tandem.rewards.base import call_batched, call_one
+from tandem.rewards.base import REWARD_FAILURES, call_batched, call_one
 from tandem.rewards.proctree import become_subreaper, kill_tree, reap_orphans
 
 
@@ -56,7 +56,7 @@ def main(read_fd: int, write_fd: int) -> None:
             warm = getattr(fn, "warmup", None)
             if callable(warm):
                 warm()
-        except Exception as exc:
+        except REWARD_FAILURES as exc:
             print(f"tandem reward worker: warm-up failed: {exc!r}", file=sys.stderr)
     tx.send(("ready",))
     while True:

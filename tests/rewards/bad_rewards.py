@@ -81,6 +81,49 @@ def interrupts_inline(completion, prompt, row):
 interrupts_inline.inline = True
 
 
+class _ExitsWhenRead:
+    """A score whose value is never given: reading it calls sys.exit() (a reward's own number type gone wrong)."""
+
+    def __float__(self):
+        raise SystemExit(4)
+
+
+def returns_exiting_number(completion, prompt, row):
+    return _ExitsWhenRead()
+
+
+def returns_exiting_number_inline(completion, prompt, row):
+    return _ExitsWhenRead()
+
+
+returns_exiting_number_inline.inline = True
+
+
+def batch_returns_exiting_numbers(completions, prompts, rows):
+    return [_ExitsWhenRead() for _ in completions]
+
+
+batch_returns_exiting_numbers.batched = True
+
+
+def _exit_five(**kwargs):
+    raise SystemExit(5)
+
+
+def exits_in_warmup(completion, prompt, row):
+    return 1.0
+
+
+exits_in_warmup.warmup = _exit_five
+
+
+def exits_in_preflight(completion, prompt, row):
+    return 1.0
+
+
+exits_in_preflight.preflight = _exit_five
+
+
 def slow_inline(completion, prompt, row):
     time.sleep(0.3)
     return 1.0

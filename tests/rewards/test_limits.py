@@ -16,7 +16,7 @@ import pytest
 from tandem.data.sources import Prompt
 from tandem.evaluation import evaluate
 from tandem.rewards import RewardScorer, resolve_reward
-from tandem.rewards.base import ErrorRateLimit, RewardErrorRateExceeded
+from tandem.rewards.base import ErrorRateLimit, RewardErrorRateExceeded, RewardSetupError
 
 
 def run(scorer: RewardScorer, completions: list[str]):
@@ -178,6 +178,26 @@ def test_sys_exit_in_a_reward_is_a_failure_of_its_sample_inline_and_in_the_pool(
     assert res.total == [1.0, 2.0]
     with RewardScorer([("bad_rewards:exits", 1.0, {})], workers=0) as s:  # everything inline
         assert run(s, ["a"])[0].error_kinds["bad_rewards:exits"] == {"raised": 1}
+
+
+def test_sys_exit_while_reading_a_score_is_a_bad_value_inline_and_in_the_pool():
+    """The same rule when the sys.exit() comes from the returned value's __float__, not the call."""
+    names = ["bad_rewards:returns_exiting_number_inline", "bad_rewards:returns_exiting_number",
+             "bad_rewards:batch_returns_exiting_numbers"]
+    with RewardScorer([(n, 1.0, {}) for n in names] + [("bad_rewards:good", 1.0, {})], timeout_s=5.0,
+                      workers=1) as s:
+        res, _ = run(s, ["a", "bb"])
+    assert all(res.error_kinds[n] == {"bad_value": 2} for n in names), res.error_kinds  # not crashed, not stopped
+    assert "SystemExit(4)" in res.last_error["bad_rewards:returns_exiting_number"]
+    assert res.total == [1.0, 2.0]
+
+
+def test_sys_exit_in_a_warmup_or_a_preflight_is_that_reward_failing_not_the_pool_or_the_process():
+    with RewardScorer([("bad_rewards:exits_in_warmup", 1.0, {})], timeout_s=5.0, workers=1) as s:
+        res, _ = run(s, ["a"])  # a broken warm-up is not fatal: the worker lives and scores
+    assert res.total == [1.0] and res.errors == {"bad_rewards:exits_in_warmup": 0}
+    with pytest.raises(RewardSetupError, match="'bad_rewards:exits_in_preflight' cannot run"):
+        RewardScorer([("bad_rewards:exits_in_preflight", 1.0, {})], workers=0)
 
 
 def test_a_keyboard_interrupt_in_the_trainer_process_still_stops_the_run():
