@@ -35,7 +35,7 @@ def main() -> None:
     from tandem.data.sources import load_task_rows, tokenize_rows
     from tandem.demo import demo_model
     from tandem.modeling import load_tokenizer
-    from tandem.rollout import make_engine
+    from tandem.rollout import Samples, make_engine
     from tandem.trainer import sampling_for
     from tandem.train.policy import Policy
 
@@ -43,7 +43,7 @@ def main() -> None:
     cfg = load_config(None, [f"model.path={path}"], DEMO_DEFAULTS)
     engine = make_engine("hf", model_path=path, dtype="float32", seed=0)
     policy = Policy(path, "float32", False, cfg.algo, cfg.optim, args.steps * 2, cfg.rollout.temperature,
-                    cfg.rollout.max_new_tokens)
+                    cfg.rollout.max_new_tokens, old_logprobs=cfg.old_logprobs)
     assert policy.share_prompts, "the demo model is a Qwen2: the prompt-once trainer applies"
     tok = load_tokenizer(path)
     P = cfg.batch.prompts_per_step
@@ -59,12 +59,12 @@ def main() -> None:
         order = ["buckets", "one bucket"] if step % 2 else ["one bucket", "buckets"]
         for layout in order:
             batch.BUCKET_PASS_TOKENS = default if layout == "buckets" else 1 << 40
-            mbs = batch.make_micro_batches(comps, adv, cfg.batch.micro_batch_tokens, tok.pad_token_id,
+            mbs = batch.make_micro_batches(Samples.of_call(comps), cfg.batch.micro_batch_tokens, tok.pad_token_id,
                                            by_prompt=True)
             weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
-            sums, _ = policy.prepare([mbs])
+            prepared = policy.prepare([mbs], len(comps))
             start = time.perf_counter()
-            policy.update([mbs], sums)
+            policy.update(prepared, adv)
             elapsed = time.perf_counter() - start
             policy.model.load_state_dict(weights)
             if step >= args.warmup:

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tandem import residency  # noqa: E402
-from tandem.config import AlgoConfig, OptimConfig  # noqa: E402
+from tandem.config import AlgoConfig, OldLogprobs, OptimConfig  # noqa: E402
 from tandem.rollout.base import Sampling  # noqa: E402
 
 MB = 1 << 20
@@ -113,12 +113,13 @@ def build_model(folder: Path, hidden: int, layers: int, vocab: int) -> Path:
 
 def grpo_step(model_dir: Path, args, device: torch.device, offload: bool) -> tuple[dict[str, int], dict]:
     from tandem.modeling import load_causal_lm
+    from tandem.rollout.base import Samples
     from tandem.rollout.hf import HFEngine
     from tandem.train.batch import make_micro_batches
     from tandem.train.policy import Policy
 
     policy = Policy(str(model_dir), "float32", False, AlgoConfig(kl_coef=0.05), OptimConfig(lr=1e-5), 1, 1.0,
-                    args.new_tokens, device=str(device))
+                    args.new_tokens, device=str(device), old_logprobs=OldLogprobs.CURRENT)
     engine = HFEngine(str(model_dir), model=load_causal_lm(model_dir).to(device))
 
     meter = Meter(device, lambda: [t for g in ("params", "grads", "optim", "ref") for t in policy._tensors(g)]
@@ -132,19 +133,19 @@ def grpo_step(model_dir: Path, args, device: torch.device, offload: bool) -> tup
     with meter.phase("generate"):
         completions = engine.generate(prompts, sampling)
     advantages = torch.randn(len(completions), generator=g)
-    mbs = [mb for mb in make_micro_batches(completions, advantages, args.micro_tokens, 0)]
+    mbs = [mb for mb in make_micro_batches(Samples.of_call(completions), args.micro_tokens, 0)]
     to_device(mbs, device)
     if offload:
         engine.sleep()
         # on-policy with KL: this phase runs only the reference; the policy's own forward comes with the update
         policy.load("ref")
     with meter.phase("logprobs"):
-        sums, _ = policy.prepare([mbs])
+        prepared = policy.prepare([mbs], len(completions))
     if offload:
         policy.offload("ref")
         policy.load("params", "optim")
     with meter.phase("update"):
-        policy.update([mbs], sums)
+        policy.update(prepared, advantages)
     if offload:
         policy.offload("optim", "grads")
         engine.wake()

@@ -20,7 +20,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_reward: str, max_new_tokens: int,
              k: int = 1, temperature: float = 1.0, seed: int = 0, stop: tuple[str, ...] = ()) -> dict[str, float]:
-    """`generate(prompt_ids, sampling) -> completions`. A sample is correct when `correct_reward` scores >= 1.
+    """`generate(prompt_ids, sampling) -> Samples` (group = the prompt's index). A sample is correct when `correct_reward` scores >= 1.
     A reward that fails scores 0 here as in training, and is counted: `reward_errors/<name>[/<kind>]`, over the
     greedy and the sampled pass."""
     ids = [p.ids for p in prompts]
@@ -34,7 +34,7 @@ def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_rewa
             for kind, n in kinds.items():
                 out[f"reward_errors/{name}/{kind}"] = out.get(f"reward_errors/{name}/{kind}", 0) + n
 
-    greedy = generate(ids, Sampling(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stop, seed=seed))
+    greedy = generate(ids, Sampling(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stop, seed=seed)).completions
     res = scorer.score([c.text for c in greedy], [r["question"] for r in rows], rows)
     count_errors(res)
     correct = [s >= 1.0 for s in res.per_fn[correct_reward]]
@@ -43,12 +43,12 @@ def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_rewa
     if k > 1:
         sampled = generate(ids, Sampling(n=k, temperature=temperature, max_new_tokens=max_new_tokens, stop=stop,
                                          seed=seed))
-        res = scorer.score([c.text for c in sampled], [rows[c.prompt_index]["question"] for c in sampled],
-                           [rows[c.prompt_index] for c in sampled])
+        of = sampled.group.tolist()
+        res = scorer.score([c.text for c in sampled.completions], [rows[g]["question"] for g in of], [rows[g] for g in of])
         count_errors(res)
         hits = [0] * len(prompts)
-        for c, s in zip(sampled, res.per_fn[correct_reward]):
-            hits[c.prompt_index] += s >= 1.0
+        for g, s in zip(of, res.per_fn[correct_reward]):
+            hits[g] += s >= 1.0
         for kk in sorted({1, 2, k} & set(range(1, k + 1))):
             out[f"pass@{kk}"] = sum(pass_at_k(k, h, kk) for h in hits) / len(hits)
         out[f"mean@{k}"] = sum(hits) / (k * len(hits))

@@ -12,14 +12,14 @@ import torch
 
 from tandem import checkpoint
 from tandem.architectures import check_supported
-from tandem.algo import ADVANTAGES, first_k_groups, nonzero_variance_groups, overlong_penalty
+from tandem.algo import ADVANTAGES, first_k_groups, nonzero_variance_groups, overlong_penalty, truncation_mask
 from tandem.config import Config
 from tandem.data.sources import Prompt, PromptStream, load_task_rows, tokenize_rows
 from tandem.evaluation import evaluate
 from tandem.metrics import METRICS_FILE, MetricsLog
 from tandem.modeling import check_model_folder, load_tokenizer
 from tandem.rewards import RewardScorer
-from tandem.rollout import Completion, Sampling
+from tandem.rollout import Samples, Sampling
 from tandem.rundir import RunLock, Start, claim
 from tandem.signals import StopSignals, Stopped
 from tandem.workers import placement
@@ -177,72 +177,88 @@ class Rollouts:
         return self.ahead[0].stream_state if self.ahead else self.run.stream.state_dict()
 
 
-def collect(run: Run, step: int, t: Timer) -> tuple[list[Completion], list[float], dict]:
-    """Take a step's groups and score them; with dynamic sampling, keep sampling until enough groups have
-    a reward spread (or the round cap is hit)."""
+@dataclass
+class Scored:
+    """A step's samples so far and their scores, over its sampling rounds."""
+
+    samples: Samples
+    totals: list[float]  # the summed reward of each row
+    per_fn: dict[str, list[float]]  # each reward function's score of each row
+
+    def select(self, rows: list[int]) -> "Scored":
+        return Scored(self.samples.select(rows), [self.totals[i] for i in rows],
+                      {k: [v[i] for i in rows] for k, v in self.per_fn.items()})
+
+
+def _score_round(run: Run, step: int, rnd: int, t: Timer, stats: dict, errors: dict, last_error: dict) -> Scored:
+    """One rollout round of a step, taken and scored; its timings, staleness and reward errors go into `stats`."""
+    cfg = run.cfg
+    batch, rollout = run.rollouts.take(step, rnd, t)
+    staleness = (step - 1) - rollout.version  # the trainer is at version step - 1 before this update
+    stats["async/staleness"] = max(stats["async/staleness"], staleness)
+    stats["time/sampler_idle"] += rollout.idle_seconds
+    stats["time/weight_load"] += rollout.load_seconds
+    stats["time/generate"] += rollout.seconds
+    if staleness > cfg.placement.max_staleness:  # cannot happen with the schedule above; never train on it
+        raise RuntimeError(f"step {step}: a batch sampled by policy version {rollout.version} is {staleness} "
+                           f"versions old, over placement.max_staleness={cfg.placement.max_staleness}")
+    new = rollout.samples
+    with t("reward"):
+        rows = [batch[g].row for g in new.group.tolist()]
+        res = run.scorer.score([c.text for c in new.completions], [r["question"] for r in rows], rows)
+    last_error.update(res.last_error)
+    stats["time/reward_budget_used"] = max(stats["time/reward_budget_used"], res.budget_used)
+    for name, n_err in res.errors.items():
+        stats[f"reward/errors/{name}"] += n_err
+        errors[name] += n_err
+    for name, kinds in res.error_kinds.items():
+        for kind, n_err in kinds.items():
+            stats[f"reward/errors/{name}/{kind}"] += n_err
+    return Scored(new, list(res.total), dict(res.per_fn))
+
+
+def _reward_stats(scored: Scored, correct_reward: str, prefix: str = "") -> dict[str, float]:
+    """Each reward function's mean and std, and the share scored correct, over these rows."""
+    out = {}
+    for name, scores in scored.per_fn.items():
+        t_scores = torch.tensor(scores, dtype=torch.float64)
+        out[f"{prefix}reward/{name}"] = float(t_scores.mean())
+        out[f"{prefix}reward/{name}/std"] = float(t_scores.std()) if len(scores) > 1 else 0.0
+    out[f"{prefix}train/accuracy"] = sum(s >= 1.0 for s in scored.per_fn[correct_reward]) / len(scored.samples)
+    return out
+
+
+def collect(run: Run, step: int, t: Timer) -> tuple[Scored, dict]:
+    """Take a step's groups and score them; with dynamic sampling, keep sampling until enough groups have a reward
+    spread (or the round cap is hit), and train on the first prompts_per_step of them. `reward/*` and
+    `train/accuracy` describe what is trained on; under dynamic sampling `sampled/reward/*` and
+    `sampled/train/accuracy` describe everything sampled, every round."""
     cfg, a = run.cfg, run.cfg.algo
     P = cfg.batch.prompts_per_step
-    prompts: list[Prompt] = []
-    comps: list[Completion] = []
     stats: dict[str, float] = defaultdict(float)
-    per_fn: dict[str, list[float]] = defaultdict(list)
-    totals: list[float] = []
+    errors, last_error = defaultdict(int), {}  # over the step's rounds: the error-rate limit's input
     rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
-    scored, errors, last_error = 0, defaultdict(int), {}  # over the step's rounds: the error-rate limit's input
+    scored: Scored | None = None
+    n_scored = 0
     for rnd in range(rounds):
-        batch, rollout = run.rollouts.take(step, rnd, t)
-        new = rollout.completions
-        staleness = (step - 1) - rollout.version  # the trainer is at version step - 1 before this update
-        stats["async/staleness"] = max(stats["async/staleness"], staleness)
-        stats["time/sampler_idle"] += rollout.idle_seconds
-        stats["time/weight_load"] += rollout.load_seconds
-        stats["time/generate"] += rollout.seconds
-        if staleness > cfg.placement.max_staleness:  # cannot happen with the schedule above; never train on it
-            raise RuntimeError(f"step {step}: a batch sampled by policy version {rollout.version} is {staleness} "
-                               f"versions old, over placement.max_staleness={cfg.placement.max_staleness}")
-        with t("reward"):
-            rows = [batch[c.prompt_index].row for c in new]
-            res = run.scorer.score([c.text for c in new], [r["question"] for r in rows], rows)
-        scored += len(new)
-        last_error.update(res.last_error)
-        stats["time/reward_budget_used"] = max(stats["time/reward_budget_used"], res.budget_used)
-        for name, n_err in res.errors.items():
-            stats[f"reward/errors/{name}"] += n_err
-            errors[name] += n_err
-        for name, kinds in res.error_kinds.items():
-            for kind, n_err in kinds.items():
-                stats[f"reward/errors/{name}/{kind}"] += n_err
-        for c in new:
-            c.prompt_index += len(prompts)
-        prompts += batch
-        comps += new
-        totals += res.total
-        for name, scores in res.per_fn.items():
-            per_fn[name] += scores
-        if a.dynamic_sampling:
-            groups = torch.tensor([c.prompt_index for c in comps])
-            keep = nonzero_variance_groups(torch.tensor(totals), groups)
-            if len(set(groups[keep].tolist())) >= P or rnd == rounds - 1:
-                stats["dynamic/kept_group_frac"] = len(set(groups[keep].tolist())) / len(prompts)
-                stats["dynamic/rounds"] = rnd + 1
-                idx = first_k_groups(groups, keep, P).tolist()
-                if not idx:  # nothing has a reward spread: train on the last round rather than on nothing
-                    idx = list(range(len(comps) - len(new), len(comps)))
-                comps = [comps[i] for i in idx]
-                totals = [totals[i] for i in idx]
-                per_fn = {k: [v[i] for i in idx] for k, v in per_fn.items()}
-                break
-    stats.update(run.scorer.error_limit.observe(scored, errors, last_error))  # raises: stop before training on it
-    for name, scores in per_fn.items():
-        t_scores = torch.tensor(scores, dtype=torch.float64)
-        stats[f"reward/{name}"] = float(t_scores.mean())
-        stats[f"reward/{name}/std"] = float(t_scores.std()) if len(scores) > 1 else 0.0
-    stats["train/accuracy"] = sum(s >= 1.0 for s in per_fn[run.correct_reward]) / len(comps)
-    # renumber groups 0..k-1 in order so workers see contiguous prompt groups
-    remap = {g: i for i, g in enumerate(dict.fromkeys(c.prompt_index for c in comps))}
-    for c in comps:
-        c.prompt_index = remap[c.prompt_index]
-    return comps, totals, stats
+        new = _score_round(run, step, rnd, t, stats, errors, last_error)
+        n_scored += len(new.samples)
+        scored = new if scored is None else Scored(scored.samples.concat(new.samples), scored.totals + new.totals,
+                                                   {k: v + new.per_fn[k] for k, v in scored.per_fn.items()})
+        if not a.dynamic_sampling:
+            break
+        keep = nonzero_variance_groups(torch.tensor(scored.totals), scored.samples.group)
+        kept_groups = len(set(scored.samples.group[keep].tolist()))
+        if kept_groups >= P or rnd == rounds - 1:
+            stats.update({"dynamic/kept_group_frac": kept_groups / scored.samples.num_groups,
+                          "dynamic/rounds": rnd + 1, **_reward_stats(scored, run.correct_reward, "sampled/")})
+            rows = first_k_groups(scored.samples.group, keep, P).tolist()
+            # nothing has a reward spread: train on the last round rather than on nothing
+            scored = scored.select(rows or list(range(len(scored.samples) - len(new.samples), len(scored.samples))))
+            break
+    stats.update(run.scorer.error_limit.observe(n_scored, errors, last_error))  # raises: stop before training on it
+    stats.update(_reward_stats(scored, run.correct_reward))
+    return scored, stats
 
 
 @dataclass
@@ -263,19 +279,20 @@ def grpo_step(run: Run, step: int) -> Launched:
     sync. It returns without waiting for them: the next step's samples are scored while this one trains."""
     cfg, a = run.cfg, run.cfg.algo
     t, launched_at = Timer(), time.time()
-    comps, rewards, m = collect(run, step, t)
+    scored, m = collect(run, step, t)
     run.stop.check()  # the last moment a stop can drop this step: next, its update is queued
-    lengths = torch.tensor([len(c.completion_ids) for c in comps])
+    samples = scored.samples
+    lengths = samples.completion_lengths
     run.workers.observe_lengths(lengths)
-    reward = torch.tensor(rewards, dtype=torch.float32)
+    reward = torch.tensor(scored.totals, dtype=torch.float32)
     if a.overlong_buffer:
         reward = reward + overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
                                            a.overlong_penalty).float()
-    prepared = run.workers.prepare(comps)  # queued behind the previous step's update and sync
+    prepared = run.workers.prepare(samples)  # queued behind the previous step's update and sync
     if a.kl_in_reward:
-        reward = reward - torch.tensor(prepared.get()[0], dtype=torch.float32)
-    groups = torch.tensor([c.prompt_index for c in comps])
-    adv = ADVANTAGES[a.advantage](reward, groups, eps=a.adv_eps)
+        reward = reward - prepared.get()[0].float()
+    trained_tokens = lengths * truncation_mask(samples.truncated).long() if a.mask_truncated else lengths
+    adv = ADVANTAGES[a.advantage](reward, samples.group, lengths=trained_tokens, eps=a.adv_eps)
     trained = run.workers.train(adv)
     synced = run.workers.sync_weights(step)
     m.update({
@@ -283,11 +300,11 @@ def grpo_step(run: Run, step: int) -> Launched:
         "advantage/mean": float(adv.mean()), "advantage/std": float(adv.std()) if len(adv) > 1 else 0.0,
         "advantage/abs_mean": float(adv.abs().mean()),
         "completion/length_mean": float(lengths.float().mean()), "completion/length_max": int(lengths.max()),
-        "completion/truncated_frac": sum(c.truncated for c in comps) / len(comps),
+        "completion/truncated_frac": int(samples.truncated.sum()) / len(samples),
         "time/rollout": t["rollout"], "time/reward": t["reward"],
         "rollout/tokens_per_s": int(lengths.sum()) / max(m["time/generate"], 1e-9),
     })
-    tokens = int(lengths.sum()) + sum(len(c.prompt_ids) for c in comps)
+    tokens = int(lengths.sum()) + sum(len(c.prompt_ids) for c in samples.completions)
     return Launched(step, m, launched_at, tokens, prepared, trained, synced)
 
 
@@ -310,7 +327,7 @@ def run_eval(run: Run) -> dict[str, float]:
     cfg = run.cfg
 
     def gen(ids, sampling):
-        return run.workers.generate(ids, sampling).completions
+        return run.workers.generate(ids, sampling).samples
 
     res = evaluate(gen, run.eval_prompts, run.scorer, run.correct_reward, cfg.rollout.max_new_tokens,
                    k=cfg.eval.k, temperature=cfg.eval.temperature, seed=cfg.run.seed, stop=tuple(cfg.rollout.stop))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from tandem.rollout.base import Completion
+from tandem.rollout.base import Completion, Samples
 
 
 @dataclass
@@ -45,14 +45,13 @@ class SharedPrompts:
 
 @dataclass
 class MicroBatch:
-    rows: list[int]  # indices into the step's completions
+    rows: list[int]  # the rows of the step's Samples this micro-batch holds: its advantages are looked up by them
     input_ids: torch.Tensor  # [b, L] left-padded prompt + completion
     attention_mask: torch.Tensor  # [b, L]
     position_ids: torch.Tensor  # [b, L]
     targets: torch.Tensor  # [b, T] the completion tokens, right-aligned
     mask: torch.Tensor  # [b, T] 1 on completion tokens
     sampler_logprobs: torch.Tensor  # [b, T]
-    advantages: torch.Tensor  # [b]
     old_logprobs: torch.Tensor | None = None  # [b, T], filled before updates when mu > 1 or mini_batches > 1
     ref_logprobs: torch.Tensor | None = None  # [b, T], filled when kl_coef > 0
     shared: SharedPrompts | None = None  # set when rows repeat a prompt: the prompt-once layout of the same rows
@@ -73,6 +72,12 @@ class MicroBatch:
     @property
     def tokens(self) -> int:
         return int(self.mask.sum())
+
+    def advantages(self, of_rows: torch.Tensor) -> torch.Tensor:
+        """[b] this micro-batch's rows' advantages from the step's (one per row of its Samples)."""
+        if not self.rows:  # a padding pass (`dummy_micro_batch`): its one row is masked out
+            return torch.zeros(self.targets.shape[0], device=self.targets.device)
+        return of_rows[self.rows].float().to(self.targets.device)
 
 
 def pack(lengths: list[int], budget: int, groups: list[int] | None = None) -> list[list[int]]:
@@ -105,8 +110,7 @@ def pack(lengths: list[int], budget: int, groups: list[int] | None = None) -> li
     return out
 
 
-def collate(completions: list[Completion], rows: list[int], advantages: torch.Tensor, pad_id: int,
-            share_prompts: bool = False) -> MicroBatch:
+def collate(completions: list[Completion], rows: list[int], pad_id: int, share_prompts: bool = False) -> MicroBatch:
     """These rows as one micro-batch; with `share_prompts`, also their prompt-once layout (when a prompt repeats)."""
     prompts = [completions[i].prompt_ids for i in rows]
     outs = [completions[i].completion_ids for i in rows]
@@ -118,7 +122,7 @@ def collate(completions: list[Completion], rows: list[int], advantages: torch.Te
     slp = torch.tensor([[0.0] * (T - len(c)) + list(completions[i].logprobs) for i, c in zip(rows, outs)],
                        dtype=torch.float32).view(len(rows), T)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    mb = MicroBatch(rows, ids, attn, pos, targets, mask.float(), slp, advantages[rows].float())
+    mb = MicroBatch(rows, ids, attn, pos, targets, mask.float(), slp)
     if share_prompts:
         mb.shared = _shared_prompts(prompts, outs, T, pad_id)
     return mb
@@ -182,15 +186,15 @@ def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad
     )
 
 
-def make_micro_batches(completions: list[Completion], advantages: torch.Tensor, budget: int, pad_id: int,
-                       subset: list[int] | None = None, by_prompt: bool = False) -> list[MicroBatch]:
-    """`subset` (default all) packed by `budget`; `by_prompt`, for a trainer that runs each prompt once, keeps each
-    prompt's rows together (see `pack`) and lays out their prompt-once layout (`SharedPrompts`)."""
-    idx = list(range(len(completions))) if subset is None else subset
-    lengths = [len(completions[i].prompt_ids) + len(completions[i].completion_ids) for i in idx]
-    groups = [completions[i].prompt_index for i in idx] if by_prompt else None
-    return [collate(completions, [idx[k] for k in g], advantages, pad_id, by_prompt)
-            for g in pack(lengths, budget, groups)]
+def make_micro_batches(samples: Samples, budget: int, pad_id: int, subset: list[int] | None = None,
+                       by_prompt: bool = False) -> list[MicroBatch]:
+    """`subset` (default all rows) packed by `budget`; `by_prompt`, for a trainer that runs each prompt once, keeps
+    each group's rows together (see `pack`) and lays out their prompt-once layout (`SharedPrompts`)."""
+    idx = list(range(len(samples))) if subset is None else subset
+    lengths = samples.sequence_lengths
+    groups = samples.group.tolist()
+    return [collate(samples.completions, [idx[k] for k in g], pad_id, by_prompt)
+            for g in pack([lengths[i] for i in idx], budget, [groups[i] for i in idx] if by_prompt else None)]
 
 
 def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:
@@ -204,4 +208,4 @@ def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:
     ids = torch.full((1, 2), pad_id, dtype=torch.long)
     zeros = torch.zeros((1, 1), dtype=torch.float32)
     return MicroBatch([], ids, torch.ones_like(ids), torch.arange(2).view(1, 2), ids[:, 1:].clone(), zeros.clone(),
-                      zeros.clone(), torch.zeros(1), old_logprobs=zeros.clone(), ref_logprobs=zeros.clone())
+                      zeros.clone(), old_logprobs=zeros.clone(), ref_logprobs=zeros.clone())

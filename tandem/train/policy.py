@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -11,20 +11,38 @@ from tandem import residency
 from tandem.algo import (
     AGGREGATIONS,
     KL_ESTIMATORS,
-    POLICY_LOSSES,
-    LossParams,
-    entropy_loss_term,
-    kl_loss_term,
+    LossSpec,
+    aggregation_totals,
+    entropy_from_logprobs,
     kl_reward_penalty,
-    tis_weights,
+    token_loss,
 )
-from tandem.config import AlgoConfig, OptimConfig
+from tandem.config import AlgoConfig, OldLogprobs, OptimConfig
 from tandem.modeling import load_causal_lm
 from tandem.train.batch import MicroBatch, dummy_micro_batch
 from tandem.train.offload import Offloader
+from tandem.train.stats import StepStats
 
-# Stats summed over data-parallel ranks (each rank holds its own rows); "logprob_diff_max" is a max instead.
-_SUM_STATS = ("clip_frac", "ratio", "entropy", "logprob_diff", "kl", "tis_capped")
+# The per-token metrics of `token_loss` as the step's stats name them.
+_REPORTED_AS = {"ratio": "ratio_mean", "tis_capped": "tis_capped_frac"}
+
+
+@dataclass
+class PreparedStep:
+    """A step laid out for `Policy.update`, built once by `Policy.prepare`: this rank's mini-batches (old and reference
+    logprobs filled in where the step needs them), the statistics gathered so far, and the KL penalties."""
+
+    mini_batches: list[list[MicroBatch]]
+    stats: StepStats
+    penalties: torch.Tensor | None  # [rows] coef * sum_t KL of each row (algo.kl_in_reward), else None
+    first_pass_done: bool  # prepare ran the sampling policy's forward: its entropy and mismatch are in `stats`
+    times: dict[str, float] = field(default_factory=dict)  # the worker's timings of this step, reported with it
+
+
+def _totals(mbs: list[MicroBatch]) -> tuple[int, int]:
+    """A mini-batch's (tokens, sequences) on this rank: `aggregation_totals` of each micro-batch, added."""
+    parts = [aggregation_totals(mb.mask) for mb in mbs]
+    return sum(t for t, _ in parts), sum(s for _, s in parts)
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
@@ -71,7 +89,7 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, t
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = torch.where(mask > 0, -(logp_all.exp() * logp_all).sum(-1), torch.zeros_like(logp))
+            entropy = torch.where(mask > 0, entropy_from_logprobs(logp_all), torch.zeros_like(logp))
     return logp, entropy
 
 
@@ -124,24 +142,25 @@ class Policy:
     def __init__(self, model_path: str, dtype: str, trust_remote_code: bool, algo: AlgoConfig, optim: OptimConfig,
                  total_optimizer_steps: int, temperature: float, max_new_tokens: int, mesh=None,
                  mixed_precision: str | None = None, device: str | None = None, offload_bucket_bytes: int = 64 << 20,
-                 stale_samples: bool = False):
+                 old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED):
         """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping).
 
         With a mesh, each dp rank trains on its own rows of every mini-batch (tp peers get the same rows), the
         normalizers and the stats are reduced over dp, and gradients are summed over dp, so the update equals the
         single-process update of the whole mini-batch.
 
-        `stale_samples`: batches come from an older policy (asynchronous sampling). The sampler's logprobs are then
-        the behaviour policy the ratio is taken against (no old-logprob forward); with `algo.tis_cap` set, the old
-        logprobs are recomputed by this policy instead (the clip's anchor) and the truncated importance weight
-        pi_old / pi_sampler corrects for the staleness (decoupled PPO).
+        `old_logprobs`: where the ratio's old-policy logprobs come from (`Config.old_logprobs` decides it for a run).
+        RECOMPUTED, a forward before the update, is right for any batch; CURRENT spares that forward for one update on
+        fresh samples; SAMPLER takes the sampler's logprobs as the behaviour policy (stale samples, asynchronous
+        sampling without TIS). With `algo.tis_cap` the truncated importance weight pi_old / pi_sampler corrects for
+        what lies between sampler and old policy (decoupled PPO).
         """
         from tandem.train.parallel import parallelize
 
         self.algo, self.optim_cfg = algo, optim
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
-        self.stale_samples = stale_samples
+        self.old_logprobs = OldLogprobs(old_logprobs)
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.model = load_causal_lm(model_path, dtype, trust_remote_code)
         if device is not None:
@@ -166,8 +185,7 @@ class Policy:
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                            weight_decay=optim.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_optimizer_steps))
-        self.loss_params = LossParams(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-                                      seq_clip_low=algo.gspo_clip_low, seq_clip_high=algo.gspo_clip_high)
+        self.loss_spec = LossSpec.from_algo(algo)
         self.offloader = Offloader(self.device, offload_bucket_bytes)
         for group in ("params", "grads", "optim", "ref"):
             self.offloader.register(group, lambda g=group: self._tensors(g))
@@ -234,155 +252,115 @@ class Policy:
         """(HF name, tensor) of every parameter; with a mesh these are DTensor shards (tandem.sync reshards them)."""
         return ((n, p.detach()) for n, p in self.model.named_parameters())
 
-    def on_policy(self, n_mini_batches: int) -> bool:
-        """True when the only update is the first: its own forward, detached, is the old policy's logprobs."""
-        return self.algo.mu == 1 and n_mini_batches == 1 and not self.algo.kl_in_reward and not self.stale_samples
-
-    @property
-    def sampler_is_old(self) -> bool:
-        """The sampler's logprobs serve as the old policy's (stale samples, no TIS): no forward needed for them."""
-        return self.stale_samples and self.algo.tis_cap is None
-
     @torch.no_grad()
-    def prepare(self, mini_batches: list[list[MicroBatch]]) -> tuple[dict[str, float], list[float]]:
-        """Old-policy logprobs (when updates go off-policy) and reference logprobs (when KL is on).
-
-        Returns stats sums (this rank's rows; `update` reduces them over dp) and, with `kl_in_reward`, each
-        sequence's penalty coef * sum_t KL, in row order; with a mesh, of every dp rank's rows (gathered).
-        """
-        sums: dict[str, float] = defaultdict(float)
-        old = not self.on_policy(len(mini_batches))
-        penalties: dict[int, float] = {}
+    def prepare(self, mini_batches: list[list[MicroBatch]], rows: int) -> "PreparedStep":
+        """The step laid out for `update`: old-policy logprobs where the source is a forward before the update or
+        the sampler's, reference logprobs when KL is on, and with `kl_in_reward` each row's penalty coef * sum_t KL
+        ([rows], of every dp rank's rows: each rank fills its own, the rest are summed in)."""
+        stats = StepStats()
+        penalties = torch.zeros(rows) if self.algo.kl_in_reward else None
         local = [mb for mbs in mini_batches for mb in mbs]
         (n,) = self._pad_counts([len(local)])
         for mb in self._padded(local, n):
             mb.to(self.device)
-            if self.sampler_is_old:
+            if self.old_logprobs is OldLogprobs.SAMPLER:
                 mb.old_logprobs = mb.sampler_logprobs  # first-pass stats come from the update's first forward
-            elif old:
+            elif self.old_logprobs is OldLogprobs.RECOMPUTED:
                 mb.old_logprobs, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=True,
                                                       share_prompts=self.share_prompts)
-                self._first_pass_stats(mb, mb.old_logprobs, ent, sums)
+                self._first_pass_stats(mb, mb.old_logprobs, ent, stats)
             if self.ref is not None:
                 mb.ref_logprobs, _ = token_logprobs(self.ref, mb, self.temperature, share_prompts=self.share_prompts)
-            if self.algo.kl_in_reward:
+            if penalties is not None:
                 kl = KL_ESTIMATORS[self.algo.kl_estimator](mb.old_logprobs, mb.ref_logprobs)
-                for row, pen in zip(mb.rows, kl_reward_penalty(kl, mb.mask, self.algo.kl_coef).tolist()):
-                    penalties[row] = pen
-                sums["kl"] += float((kl * mb.mask).sum())
-        if self.algo.kl_in_reward and self.mesh is not None and self.dp_size > 1:
-            import torch.distributed as dist
-
-            parts: list = [None] * self.dp_size
-            dist.all_gather_object(parts, penalties, group=self.mesh["dp"].get_group())
-            penalties = {row: pen for part in parts for row, pen in part.items()}
-        return sums, [penalties[i] for i in sorted(penalties)]
+                if mb.rows:
+                    penalties[mb.rows] = kl_reward_penalty(kl, mb.mask, self.algo.kl_coef).cpu()
+                stats.add("kl", float((kl * mb.mask).sum()), mb.tokens)
+        if penalties is not None:
+            self._dp_reduce(penalties)
+        return PreparedStep(mini_batches, stats, penalties,
+                            first_pass_done=self.old_logprobs is OldLogprobs.RECOMPUTED)
 
     @staticmethod
-    def _first_pass_stats(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, sums: dict) -> None:
+    def _first_pass_stats(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, stats: StepStats) -> None:
         """Stats of the policy that sampled the batch: entropy, and trainer-vs-sampler logprob mismatch."""
         diff = (logp.detach() - mb.sampler_logprobs).abs() * mb.mask
-        sums["entropy"] += float(entropy.sum())
-        sums["logprob_diff"] += float(diff.sum())
-        sums["logprob_diff_max"] = max(sums["logprob_diff_max"], float(diff.max()) if diff.numel() else 0.0)
+        stats.add("entropy", float(entropy.sum()), mb.tokens)
+        stats.add("logprob_diff", float(diff.sum()), mb.tokens)
+        stats.max("logprob_diff", float(diff.max()) if diff.numel() else 0.0)
 
-    def update(self, mini_batches: list[list[MicroBatch]], sums: dict[str, float],
+    def update(self, step: "PreparedStep", advantages: torch.Tensor,
                check_sampler: Callable[[float, float], None] | None = None) -> dict[str, float]:
-        """mu passes over the step's batch, one optimizer step per mini-batch; returns token-weighted stats.
-
-        With a mesh every dp rank passes its own rows (the same number of mini-batches on every rank, some may be
-        empty) and gets the same stats back.
+        """mu passes over the prepared step, one optimizer step per mini-batch; `advantages` has one entry per row of
+        the step's samples. Returns token-weighted stats, the same on every dp rank (each passes its own rows and
+        the same number of mini-batches, some maybe empty).
 
         `check_sampler(mean, max)` sees the trainer-vs-sampler logprob difference of the batch (over all dp ranks)
         before the first optimizer step, so that it can stop a step whose samples are wrong before they are
-        trained on. Not called for stale samples (async), whose difference includes the policy's own drift.
+        trained on (the caller passes none for stale samples, whose difference includes the policy's own drift).
         """
-        a = self.algo
-        on_policy = self.on_policy(len(mini_batches))
-        sums = defaultdict(float, sums)
-        loss_fn, agg = POLICY_LOSSES[a.policy_loss], AGGREGATIONS[a.loss_agg]
-        kl_fn = KL_ESTIMATORS[a.kl_estimator]
-        kl_in_loss = self.ref is not None and not a.kl_in_reward
-        # Normalizers of each mini-batch count all its rows, on every rank: (tokens, sequences), summed over dp.
-        totals = torch.tensor([[sum(mb.tokens for mb in mbs), sum(int((mb.mask.sum(-1) > 0).sum()) for mb in mbs)]
-                               for mbs in mini_batches], dtype=torch.float64).view(-1, 2)
-        passes_per_mini = self._pad_counts([len(mbs) for mbs in mini_batches])
-        self._dp_reduce(totals)
-        tokens = int(totals[:, 0].sum())
-        check = check_sampler if not self.stale_samples else None
-        if check is not None and not on_policy:  # the first-pass stats came from prepare's old-logprob pass
-            self._check_sampler(sums, tokens, check)
-            check = None
+        minis, stats = step.mini_batches, step.stats
+        totals = torch.tensor([_totals(mbs) for mbs in minis], dtype=torch.float64).view(-1, 2)
+        passes_per_mini = self._pad_counts([len(mbs) for mbs in minis])
+        self._dp_reduce(totals)  # each mini-batch's normalizers count all its rows, on every rank
+        if check_sampler is not None and step.first_pass_done:
+            self._check_sampler(stats, check_sampler)
+            check_sampler = None
+        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         grad_norms, losses = [], []
-        for epoch in range(a.mu):
-            for j, mbs in enumerate(mini_batches):
-                total_tokens, total_seqs = int(totals[j, 0]), int(totals[j, 1])
-                step_loss = 0.0
-                for mb in self._padded(mbs, passes_per_mini[j]):
-                    mb.to(self.device)  # the advantages arrived after prepare moved the rest
-                    first_pass = on_policy or (self.sampler_is_old and epoch == 0)
-                    need_entropy = first_pass or a.entropy_coef > 0
-                    logp, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=need_entropy,
-                                               entropy_grad=a.entropy_coef > 0, share_prompts=self.share_prompts)
-                    if first_pass:
-                        self._first_pass_stats(mb, logp, ent.detach(), sums)
-                    old = logp.detach() if on_policy else mb.old_logprobs
-                    loss_tok, m = loss_fn(logp, old, mb.advantages, mb.mask, self.loss_params)
-                    if a.tis_cap is not None:
-                        w, capped = tis_weights(old, mb.sampler_logprobs, mb.mask, a.tis_cap)
-                        loss_tok = loss_tok * w
-                        sums["tis_capped"] += float(capped.sum())
-                    if kl_in_loss:
-                        kl_tok = kl_fn(logp, mb.ref_logprobs)
-                        loss_tok = loss_tok + kl_loss_term(kl_tok, mb.mask, a.kl_coef)
-                        sums["kl"] += float((kl_tok.detach() * mb.mask).sum())
-                    if a.entropy_coef > 0:
-                        loss_tok = loss_tok + entropy_loss_term(ent, mb.mask, a.entropy_coef)
-                    loss = agg(loss_tok, mb.mask, total_tokens, total_seqs, self.max_new_tokens)
-                    # FSDP averages gradients over dp, but each rank's loss is already its share of the global loss
-                    # (global normalizers): scale by dp so they add up. (Its divide factor would do the same via
-                    # PREMUL_SUM, which gloo lacks.)
-                    (loss * self.dp_size if self.dp_size > 1 else loss).backward()
-                    step_loss += float(loss.detach())
-                    sums["clip_frac"] += float((m["clip_frac"] * mb.mask).sum())
-                    sums["ratio"] += float((m["ratio"] * mb.mask).sum())
-                if check is not None:  # on-policy: one mini-batch, its forwards done, nothing stepped yet
-                    self._check_sampler(sums, tokens, check)
-                    check = None
-                clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        for epoch in range(self.algo.mu):
+            for j, mbs in enumerate(minis):
+                first_pass = epoch == 0 and not step.first_pass_done
+                losses.append(sum(self._pass(mb, advantages, int(totals[j, 0]), int(totals[j, 1]), stats, first_pass)
+                                  for mb in self._padded(mbs, passes_per_mini[j])))
+                if check_sampler is not None:  # on-policy: one mini-batch, its forwards done, nothing stepped yet
+                    self._check_sampler(stats, check_sampler)
+                    check_sampler = None
                 grad_norms.append(self._clip(clip))
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                losses.append(step_loss)
-        losses, sums = self._reduce_stats(losses, sums)
-        passes = max(a.mu * tokens, 1)
-        stats = {
-            "loss": sum(losses) / len(losses),
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "lr": self.scheduler.get_last_lr()[0],
-            "clip_frac": sums["clip_frac"] / passes,
-            "ratio_mean": sums["ratio"] / passes,
-            "entropy": sums["entropy"] / max(tokens, 1),
-            "logprob_diff": sums["logprob_diff"] / max(tokens, 1),
-            "logprob_diff_max": sums["logprob_diff_max"],
-        }
-        if self.ref is not None:
-            stats["kl"] = sums["kl"] / (max(tokens, 1) if a.kl_in_reward else passes)
-        if a.tis_cap is not None:
-            stats["tis_capped_frac"] = sums["tis_capped"] / passes
+        return self._report(losses, grad_norms, stats)
+
+    def _pass(self, mb: MicroBatch, advantages: torch.Tensor, total_tokens: int, total_seqs: int, stats: StepStats,
+              first_pass: bool) -> float:
+        """One micro-batch's forward and backward: its share of its mini-batch's loss (returned)."""
+        a = self.algo
+        mb.to(self.device)
+        logp, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=first_pass or a.entropy_coef > 0,
+                                   entropy_grad=a.entropy_coef > 0, share_prompts=self.share_prompts)
+        if first_pass:
+            self._first_pass_stats(mb, logp, ent.detach(), stats)
+        loss_tok, metrics = token_loss(self.loss_spec, logp, mb.advantages(advantages), mb.mask,
+                                       old_logp=mb.old_logprobs, sampler_logp=mb.sampler_logprobs,
+                                       ref_logp=mb.ref_logprobs, entropy=ent)
+        loss = AGGREGATIONS[a.loss_agg](loss_tok, mb.mask, total_tokens, total_seqs, self.max_new_tokens)
+        # FSDP averages gradients over dp, but each rank's loss is already its share of the global loss (global
+        # normalizers): scale by dp so they add up. (Its divide factor would do the same via PREMUL_SUM, which gloo
+        # lacks.)
+        (loss * self.dp_size if self.dp_size > 1 else loss).backward()
+        for name, per_token in metrics.items():
+            stats.add(name, float((per_token * mb.mask).sum()), mb.tokens)
+        return float(loss.detach())
+
+    def _report(self, losses: list[float], grad_norms: list[float], stats: StepStats) -> dict[str, float]:
+        """The step's stats over every dp rank; `loss` is the mean of each optimizer step's (global) loss."""
+        group = self.mesh["dp"].get_group() if self.mesh is not None and self.dp_size > 1 else None
+        losses = self._dp_reduce(torch.tensor(losses, dtype=torch.float64)).tolist()
+        stats = stats.reduced(group)
         self.last_losses = losses  # each optimizer step's loss (the global loss with a mesh)
-        return stats
+        out = {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms),
+               "lr": self.scheduler.get_last_lr()[0], "entropy": stats.mean("entropy"),
+               "logprob_diff": stats.mean("logprob_diff"), "logprob_diff_max": stats.maxima.get("logprob_diff", 0.0)}
+        out.update({_REPORTED_AS.get(name, name): stats.mean(name) for name in stats.sums
+                    if name not in ("entropy", "logprob_diff")})
+        return out
 
-    def _check_sampler(self, sums: dict[str, float], tokens: int, check: Callable[[float, float], None]) -> None:
+    def _check_sampler(self, stats: StepStats, check: Callable[[float, float], None]) -> None:
         """The batch's mean and max |trainer - sampler| logprob over every dp rank, handed to `check`."""
-        total = self._dp_reduce(torch.tensor([sums.get("logprob_diff", 0.0)], dtype=torch.float64))
-        worst = torch.tensor([sums.get("logprob_diff_max", 0.0)], dtype=torch.float64)
-        if self.mesh is not None and self.dp_size > 1:
-            import torch.distributed as dist
-
-            worst = self._dp_reduce(worst, dist.ReduceOp.MAX)
-        check(float(total[0]) / max(tokens, 1), float(worst[0]))
+        group = self.mesh["dp"].get_group() if self.mesh is not None and self.dp_size > 1 else None
+        everywhere = stats.reduced(group)
+        check(everywhere.mean("logprob_diff"), everywhere.maxima.get("logprob_diff", 0.0))
 
     def _clip(self, max_norm: float) -> float:
         if self.mesh is None:
@@ -390,19 +368,6 @@ class Policy:
         from tandem.train.parallel import clip_grad_norm
 
         return clip_grad_norm(self.params, max_norm)
-
-    def _reduce_stats(self, losses: list[float], sums: dict[str, float]) -> tuple[list[float], dict[str, float]]:
-        """Each optimizer step's loss and the stat sums over all dp ranks (each rank's are its rows' shares)."""
-        if self.mesh is None or self.dp_size == 1:
-            return losses, sums
-        import torch.distributed as dist
-
-        t = self._dp_reduce(torch.tensor(losses + [sums.get(k, 0.0) for k in _SUM_STATS], dtype=torch.float64))
-        mx = self._dp_reduce(torch.tensor([sums.get("logprob_diff_max", 0.0)], dtype=torch.float64), dist.ReduceOp.MAX)
-        out = defaultdict(float, sums)
-        out.update(zip(_SUM_STATS, t[len(losses):].tolist()))
-        out["logprob_diff_max"] = float(mx[0])
-        return t[:len(losses)].tolist(), out
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -426,7 +391,8 @@ class Policy:
         saved, now = state.get("layout", {"dp": 1, "tp": 1, "dp_rank": 0, "tp_rank": 0}), self._layout()
         if saved != now:
             raise ValueError(f"optimizer state was saved with layout {saved}, this rank has {now}: resuming needs the "
-                             "same parallel.dp / parallel.tp and each rank its own file (the model weights load at "
+                             "same number of training workers (placement.workers, or placement.train_workers when "
+                             "split) and placement.tensor_parallel, each rank its own file (the model weights load at "
                              "any layout; only the optimizer's shards do not)")
         opt = dict(state["optimizer"])
         if self.mesh is not None:

@@ -73,13 +73,13 @@ class HybridWorker(TrainWorker):
         self._enter("generate")
         start = time.perf_counter()
         comps = self.engine.generate(prompts, sampling)
-        self._last_end = time.perf_counter()  # the trainer's idle time is what follows: scoring, shipping
+        self._finished()  # the trainer's idle time is what follows: scoring, shipping
         # an engine's TP peers sampled the same completions; its first rank reports them
-        return Generated(comps if self.engine_rank == 0 else [], self.version, self._last_end - start)
+        return Generated(comps if self.engine_rank == 0 else [], self.version, self._idle_since - start)
 
-    def prepare(self, completions) -> list[float]:
+    def prepare(self, samples):
         self._enter("logprobs")
-        return super().prepare(completions)
+        return super().prepare(samples)
 
     def train(self, advantages):
         self._enter("update")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tandem.config import Config
-from tandem.rollout import Completion, Sampling
+from tandem.rollout import Completion, Samples, Sampling
 from tandem.workers.balance import balance
 from tandem.workers.group import LocalWorkerGroup, Pending, WorkerGroup
 from tandem.workers.hybrid import HybridWorker
@@ -20,9 +20,9 @@ from tandem.workers.train import TrainWorker
 
 @dataclass
 class Rollout:
-    """A finished rollout: completions in prompt order (global prompt indices) and how they were made."""
+    """A finished rollout: its samples in prompt order (group = the prompt's index in the call) and how they were made."""
 
-    completions: list[Completion]
+    samples: Samples
     version: int  # the oldest policy version among the samplers' shares
     seconds: float  # the slowest sampler's generation time
     idle_seconds: float  # the samplers' idle time before this work, summed
@@ -35,19 +35,20 @@ class PendingRollout:
 
     pending: Any
     shares: list[list[int]]
+    num_prompts: int
 
     def get(self, timeout: float | None = None) -> Rollout:
         """Raises TimeoutError if `timeout` seconds pass first (the rollout goes on; ask again)."""
         parts: list[Generated] = self.pending.get(timeout)
-        out: list[Completion] = []
+        rows: list[tuple[int, Completion]] = []
         for share, part in zip(self.shares, parts):
             for c in part.completions:
-                c.prompt_index = share[c.prompt_index]
                 c.meta["policy_version"] = part.version
-                out.append(c)
-        out.sort(key=lambda c: c.prompt_index)  # stable: a group's samples keep their order
+                rows.append((share[c.prompt_index], c))  # a share's prompt index -> the call's
+        rows.sort(key=lambda r: r[0])  # stable: a group's samples keep their order
         busy = [p for p in parts if p.completions or p.seconds]
-        return Rollout(out, min((p.version for p in busy), default=0), max((p.seconds for p in parts), default=0.0),
+        return Rollout(Samples([c for _, c in rows], [g for g, _ in rows], self.num_prompts),
+                       min((p.version for p in busy), default=0), max((p.seconds for p in parts), default=0.0),
                        sum(p.idle_seconds for p in parts), max((p.load_seconds for p in parts), default=0.0))
 
 
@@ -98,7 +99,7 @@ class Placement:
         shares = [s for s in balance(costs, self.samplers.size // self.engine_tp) for _ in range(self.engine_tp)]
         per_worker = [([prompts[i] for i in s], _seeded(sampling, s), self.version) for s in shares]
         pending = self.samplers.submit_each("generate", per_worker)
-        return PendingRollout(pending, shares)
+        return PendingRollout(pending, shares, len(prompts))
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> Rollout:
         return self.submit_generate(prompts, sampling).get()
@@ -108,12 +109,13 @@ class Placement:
         e = self.expected_completion_tokens
         self.expected_completion_tokens = mean if not e else 0.7 * e + 0.3 * mean
 
-    def prepare(self, completions: list[Completion]) -> Pending:
-        """Lay out the step and score its logprobs; `get()[0]` is the KL penalty per completion."""
-        return self.trainers.submit("prepare", completions)
+    def prepare(self, samples: Samples) -> Pending:
+        """Lay out the step and score its logprobs; `get()[0]` is the KL penalty per row ([N] tensor; with
+        algo.kl_in_reward, else None). The group's workers share one copy of `samples` (see the worker group)."""
+        return self.trainers.submit("prepare", samples)
 
     def train(self, advantages: torch.Tensor) -> Pending:
-        """Update on the prepared step; `get()[0]` is its stats."""
+        """Update on the prepared step with these advantages, one per row of its samples; `get()[0]` is its stats."""
         return self.trainers.submit("train", advantages)
 
     def sync_weights(self, version: int) -> Synced:

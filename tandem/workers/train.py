@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 from tandem.algo import truncation_mask
 from tandem.config import Config
 from tandem.modeling import load_tokenizer
-from tandem.rollout import Completion
+from tandem.rollout import Samples
 from tandem.rollout.manifest import differing, digest
 from tandem.train.batch import MicroBatch, make_micro_batches
-from tandem.train.policy import Policy
+from tandem.train.policy import Policy, PreparedStep
 from tandem.workers.balance import balance
 from tandem.workers.group import WorkerContext
 
@@ -48,52 +48,56 @@ class TrainWorker:
         self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
                              cfg.rollout.temperature, cfg.rollout.max_new_tokens, mesh=self.mesh,
                              device=None if self.ctx.device == "cpu" else self.ctx.device,
-                             stale_samples=cfg.placement.schedule == "async")
-        self._mini: list[list[MicroBatch]] = []
-        self._last_end = time.perf_counter()  # when this worker last finished a step's work (its sync)
+                             old_logprobs=cfg.old_logprobs)
+        self._step: PreparedStep | None = None  # prepared, not yet trained on
+        self._idle_since = time.perf_counter()  # see `_finished`
 
-    def prepare(self, completions: list[Completion]) -> list[float]:
-        """Lay this worker's share of the step out for training and score old/reference logprobs.
+    def _finished(self) -> None:
+        """This worker's work for now is done (a weight sync; a colocated worker's generation, which follows the
+        sync): `time/trainer_idle` is the time from here until the next step's batch arrives."""
+        self._idle_since = time.perf_counter()
 
-        The batch is split by prompt group into mini-batches (one optimizer step each), each mini-batch's rows
-        are shared out over the dp ranks, and each share is packed into micro-batches by token budget. Returns
-        every completion's KL penalty when `algo.kl_in_reward` is on.
-        """
+    def prepare(self, samples: Samples) -> torch.Tensor | None:
+        """Lay this worker's share of the step out for training and score old/reference logprobs. Returns each row's
+        KL penalty ([N]) when `algo.kl_in_reward` is on, else None."""
         start = time.perf_counter()
-        self._idle = start - self._last_end
-        b, a = self.cfg.batch, self.cfg.algo
-        groups = sorted({c.prompt_index for c in completions})
-        per = -(-len(groups) // b.mini_batches)
-        zeros = torch.zeros(len(completions))
-        keep_rows = truncation_mask(torch.tensor([c.truncated for c in completions])) if a.mask_truncated else None
-        self._mini = []
+        step = self.policy.prepare(self._lay_out(samples), len(samples))
+        step.times = {"time/trainer_idle": start - self._idle_since, "time/logprobs": time.perf_counter() - start}
+        self._step = step
+        return step.penalties
+
+    def _lay_out(self, samples: Samples) -> list[list[MicroBatch]]:
+        """The step split by group into mini-batches (one optimizer step each), each mini-batch's rows shared out
+        over the dp ranks (balanced by tokens), each share packed into micro-batches by token budget. Every rank
+        holds the same number of mini-batches (an empty one is fine)."""
+        b = self.cfg.batch
+        per = -(-samples.num_groups // b.mini_batches)
+        lengths = samples.sequence_lengths
+        keep_rows = truncation_mask(samples.truncated) if self.cfg.algo.mask_truncated else None
+        minis = []
         for j in range(b.mini_batches):
-            keep = set(groups[j * per:(j + 1) * per])
-            rows = [i for i, c in enumerate(completions) if c.prompt_index in keep]
+            rows = torch.nonzero((samples.group >= j * per) & (samples.group < (j + 1) * per)).flatten().tolist()
             if not rows:
                 continue
-            lengths = [len(completions[i].prompt_ids) + len(completions[i].completion_ids) for i in rows]
-            mine = [rows[k] for k in balance(lengths, self.dp_size)[self.dp_rank]]
-            mbs = make_micro_batches(completions, zeros, b.micro_batch_tokens, self.pad_id, mine,
+            mine = [rows[k] for k in balance([lengths[i] for i in rows], self.dp_size)[self.dp_rank]]
+            mbs = make_micro_batches(samples, b.micro_batch_tokens, self.pad_id, mine,
                                      by_prompt=self.policy.share_prompts) if mine else []
             if keep_rows is not None:
                 for mb in mbs:
                     mb.mask = mb.mask * keep_rows[mb.rows].unsqueeze(-1)
-            self._mini.append(mbs)  # possibly empty: every rank holds the same number of mini-batches
-        self._sums, penalties = self.policy.prepare(self._mini)
-        self._t_logprobs = time.perf_counter() - start
-        return penalties
+            minis.append(mbs)
+        return minis
 
     def train(self, advantages: torch.Tensor) -> dict[str, float]:
-        """Update the policy on the prepared batch with these per-completion advantages."""
-        for mb in (mb for mbs in self._mini for mb in mbs):
-            mb.advantages = advantages[mb.rows].float()
+        """Update the policy on the prepared step with these advantages, one per row of its samples."""
+        step, self._step = self._step, None
+        if step is None:
+            raise RuntimeError("train was called with no prepared step: call prepare with the step's samples first")
         start = time.perf_counter()
-        stats = self.policy.update(self._mini, self._sums, check_sampler=self._check_sampler)
+        check = self._check_sampler if self.cfg.placement.schedule == "sync" else None  # stale samples drift anyway
+        stats = self.policy.update(step, advantages, check_sampler=check)
         stats["time/update"] = time.perf_counter() - start
-        stats["time/logprobs"] = self._t_logprobs
-        stats["time/trainer_idle"] = self._idle
-        self._mini = []
+        stats.update(step.times)
         return stats
 
     def _check_sampler(self, mean: float, worst: float) -> None:
@@ -174,8 +178,8 @@ class TrainWorker:
     def _synced(self, start: float, nbytes: int) -> dict:
         """A weight sync's stats; it ends the step on this worker. `finished_at` is wall-clock time: the controller
         measures steps between these, so that queued steps count once."""
-        self._last_end = time.perf_counter()
-        return {"seconds": self._last_end - start, "bytes": nbytes, "finished_at": time.time()}
+        self._finished()
+        return {"seconds": self._idle_since - start, "bytes": nbytes, "finished_at": time.time()}
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 

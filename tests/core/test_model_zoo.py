@@ -113,18 +113,19 @@ def _completions(seed: int = 0):
 
 
 def _one_update(model_dir: str, mesh=None, rows=None) -> list[float]:
-    from tandem.config import AlgoConfig, OptimConfig
+    from tandem.config import AlgoConfig, OldLogprobs, OptimConfig
+    from tandem.rollout.base import Samples
     from tandem.train.batch import make_micro_batches
     from tandem.train.policy import Policy
 
     torch.manual_seed(0)
     policy = Policy(model_dir, "float32", False, AlgoConfig(kl_coef=0.05), OptimConfig(lr=1e-3), 2, 1.0, 8,
-                    mesh=mesh)
+                    mesh=mesh, old_logprobs=OldLogprobs.CURRENT)
     comps, adv = _completions()
     losses = []
     for _ in range(2):  # the second update runs on the first one's sharded optimizer state
-        minis = [make_micro_batches(comps, adv, 64, 0, list(range(ROWS)) if rows is None else rows)]
-        policy.update(minis, policy.prepare(minis)[0])
+        minis = [make_micro_batches(Samples.of_call(comps), 64, 0, list(range(ROWS)) if rows is None else rows)]
+        policy.update(policy.prepare(minis, ROWS), adv)
         losses += policy.last_losses
     return losses
 

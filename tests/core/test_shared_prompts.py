@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.rollout.base import Completion
+from tandem.rollout.base import Completion, Samples
 from tandem.train.batch import make_micro_batches
 from tandem.train.policy import token_logprobs
 
@@ -40,7 +40,8 @@ def test_prompt_once_matches_the_full_sequences(kind, temperature, buckets, monk
     monkeypatch.setattr("tandem.train.batch.BUCKET_PASS_TOKENS", 100 if buckets == "one" else 0)
     model = _model(kind)
     comps = _completions()
-    (mb,) = make_micro_batches(comps, torch.linspace(-1, 1, len(comps)), 4096, pad_id=0, by_prompt=True)
+    adv = torch.linspace(-1, 1, len(comps))
+    (mb,) = make_micro_batches(Samples.of_call(comps), 4096, pad_id=0, by_prompt=True)
     assert mb.shared is not None and mb.shared.ids.shape[0] == 3 and len(mb.rows) == 9
     # free passes: a bucket per width (1, 2, 3, 4, 5; the empty completion runs with the 1s); else one pass
     assert [w for _, w in mb.shared.buckets] == ([5] if buckets == "one" else [1, 2, 3, 4, 5])
@@ -49,7 +50,7 @@ def test_prompt_once_matches_the_full_sequences(kind, temperature, buckets, monk
     def run(share: bool):
         model.zero_grad()
         logp, ent = token_logprobs(model, mb, temperature, with_entropy=True, entropy_grad=True, share_prompts=share)
-        ((logp * mb.advantages[:, None]).sum() + 0.1 * ent.sum()).backward()
+        ((logp * mb.advantages(adv)[:, None]).sum() + 0.1 * ent.sum()).backward()
         return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     full, shared = run(False), run(True)
@@ -62,14 +63,14 @@ def test_prompt_once_matches_the_full_sequences(kind, temperature, buckets, monk
 
 def test_no_repeated_prompt_means_no_shared_layout():
     comps = [Completion([5 + i, 6], [7, 8], [0.0, 0.0], "", "stop", i) for i in range(4)]
-    (mb,) = make_micro_batches(comps, torch.zeros(4), 4096, pad_id=0, by_prompt=True)
+    (mb,) = make_micro_batches(Samples.of_call(comps), 4096, pad_id=0, by_prompt=True)
     assert mb.shared is None
     comps.append(Completion([5, 6], [9], [0.0], "", "stop", 0))
-    (mb,) = make_micro_batches(comps, torch.zeros(5), 4096, pad_id=0, by_prompt=True)
+    (mb,) = make_micro_batches(Samples.of_call(comps), 4096, pad_id=0, by_prompt=True)
     assert mb.shared is not None and mb.shared.of_row.tolist() == [0, 1, 2, 3, 0]
     # a one-token prompt leaves nothing to run once: the plain layout
     comps += [Completion([7], [8], [0.0], "", "stop", 5), Completion([7], [9], [0.0], "", "stop", 5)]
-    (mb,) = make_micro_batches(comps, torch.zeros(7), 4096, pad_id=0, by_prompt=True)
+    (mb,) = make_micro_batches(Samples.of_call(comps), 4096, pad_id=0, by_prompt=True)
     assert mb.shared is None
 
 
@@ -93,8 +94,8 @@ def test_packing_by_prompt_keeps_groups_whole():
             n = 1 + (k + g) % 4  # every group has completions of 1..4 tokens
             comps.append(Completion([5 + g, 6, 7], list(range(8, 8 + n)), [0.0] * n, "", "stop", g))
     budget = 8 * 7  # 8 rows of the longest (3 + 4) tokens: two whole groups
-    plain = make_micro_batches(comps, torch.zeros(16), budget, pad_id=0)
-    grouped = make_micro_batches(comps, torch.zeros(16), budget, pad_id=0, by_prompt=True)
+    plain = make_micro_batches(Samples.of_call(comps), budget, pad_id=0)
+    grouped = make_micro_batches(Samples.of_call(comps), budget, pad_id=0, by_prompt=True)
     groups_of = lambda mb: [comps[i].prompt_index for i in mb.rows]  # noqa: E731
     assert any(0 < groups_of(mb).count(g) < 4 for mb in plain for g in set(groups_of(mb)))
     assert len(grouped) == 2 and sorted(r for mb in grouped for r in mb.rows) == list(range(16))
@@ -138,7 +139,7 @@ def test_a_micro_batch_moves_every_tensor_to_the_policys_device():
     layout's and its buckets' included (the meta device stands in for a GPU: nothing may stay behind on the CPU)."""
     from dataclasses import fields
 
-    (mb,) = make_micro_batches(_completions(), torch.zeros(9), 4096, pad_id=0, by_prompt=True)
+    (mb,) = make_micro_batches(Samples.of_call(_completions()), 4096, pad_id=0, by_prompt=True)
     mb.old_logprobs, mb.ref_logprobs = torch.zeros_like(mb.mask, dtype=torch.float), None
     host_ptr = mb.targets.data_ptr()
     assert mb.to(torch.device("cpu")).targets.data_ptr() == host_ptr  # already there: no copy
@@ -146,5 +147,6 @@ def test_a_micro_batch_moves_every_tensor_to_the_policys_device():
     tensors = [getattr(mb, f.name) for f in fields(mb)] + [getattr(mb.shared, f.name) for f in fields(mb.shared)]
     tensors += [rows for rows, _ in mb.shared.buckets]
     tensors = [t for t in tensors if torch.is_tensor(t)]
-    assert len(tensors) >= 16 and all(t.device.type == "meta" for t in tensors)
+    # 15: the advantages are no longer a micro-batch field (looked up by row at the update, issue 18)
+    assert len(tensors) >= 15 and all(t.device.type == "meta" for t in tensors)
     assert mb.ref_logprobs is None and isinstance(mb.rows, list)

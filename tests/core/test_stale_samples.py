@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.config import AlgoConfig, OptimConfig
-from tandem.rollout.base import Completion
+from tandem.config import AlgoConfig, OldLogprobs, OptimConfig
+from tandem.rollout.base import Completion, Samples
 from tandem.train.batch import make_micro_batches
 from tandem.train.policy import Policy, token_logprobs
 
@@ -15,12 +15,11 @@ def _batch(policy: Policy, shift: float):
     g = torch.Generator().manual_seed(0)
     comps = [Completion(torch.randint(5, 200, (4,), generator=g).tolist(), torch.randint(5, 200, (3,), generator=g).tolist(),
                         [0.0] * 3, "", "stop", i // 4) for i in range(8)]
-    mbs = make_micro_batches(comps, torch.zeros(8), 4096, 0)
+    mbs = make_micro_batches(Samples.of_call(comps), 4096, 0)
     with torch.no_grad():
         for mb in mbs:
             logp, _ = token_logprobs(policy.model, mb, 1.0)
             mb.sampler_logprobs = (logp - shift) * mb.mask
-            mb.advantages = torch.ones(len(mb.rows))
     return [mbs]
 
 
@@ -28,11 +27,12 @@ def _batch(policy: Policy, shift: float):
 def test_stale_samples_use_the_sampler_as_behaviour_policy(tiny_model, tis_cap):
     algo = AlgoConfig(clip_low=0.2, clip_high=0.2, tis_cap=tis_cap)
     fresh = Policy(str(tiny_model), "float32", False, algo, OptimConfig(lr=1e-3), 10, 1.0, 3)
-    stale = Policy(str(tiny_model), "float32", False, algo, OptimConfig(lr=1e-3), 10, 1.0, 3, stale_samples=True)
+    # what Config.old_logprobs resolves for asynchronous sampling (tests/core/test_config_and_inputs.py)
+    source = OldLogprobs.SAMPLER if tis_cap is None else OldLogprobs.RECOMPUTED
+    stale = Policy(str(tiny_model), "float32", False, algo, OptimConfig(lr=1e-3), 10, 1.0, 3, old_logprobs=source)
     for policy in (fresh, stale):
         mini = _batch(policy, 0.5)
-        sums, _ = policy.prepare(mini)
-        policy.stats = policy.update(mini, sums)
+        policy.stats = policy.update(policy.prepare(mini, 8), torch.ones(8))
     # trained on its own (recomputed) logprobs the ratio is 1; the sampler's differ, which TIS alone corrects
     assert fresh.stats["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert fresh.stats["logprob_diff"] == pytest.approx(0.5, abs=1e-5)

@@ -21,7 +21,7 @@ pytest.importorskip("ray")
 
 from tandem import checkpoint  # noqa: E402
 from tandem.config import load_config  # noqa: E402
-from tandem.rollout import Completion  # noqa: E402
+from tandem.rollout import Completion, Samples  # noqa: E402
 from tandem.trainer import train  # noqa: E402
 from tandem.workers.group import WorkerError  # noqa: E402
 from tandem.workers.hybrid import HybridWorker  # noqa: E402
@@ -68,7 +68,7 @@ def train_steps(group_call, steps: int = 3) -> tuple[list[float], dict[str, torc
     comps, adv = fixed_completions()
     losses = []
     for _ in range(steps):
-        group_call("prepare", comps)
+        group_call("prepare", Samples.of_call(comps))
         losses.append(group_call("train", adv)["loss"])
     return losses, group_call("full_weights")
 

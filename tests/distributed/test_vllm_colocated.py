@@ -24,7 +24,7 @@ from test_placement import (  # noqa: E402
 
 from tandem import checkpoint  # noqa: E402
 from tandem.config import ConfigError, load_config  # noqa: E402
-from tandem.rollout import Sampling  # noqa: E402
+from tandem.rollout import Samples, Sampling  # noqa: E402
 from tandem.rollout.vllm_engine import remove_segments  # noqa: E402
 from tandem.sync.layout import EngineTP, Mesh, Spec, build_layout, engine_tp_layout  # noqa: E402
 from tandem.sync.planner import plan, plan_to_replicas  # noqa: E402
@@ -131,7 +131,7 @@ def test_tp2_engine_over_two_workers_samples_as_one_whole_engine(session, vllm_m
         sampled = group.call("generate", PROMPTS, Sampling(n=4, max_new_tokens=4, seed=1))
         assert [len(g.completions) for g in sampled] == [16, 0]  # the engine's first rank reports for both
         comps = sampled[0].completions
-        group.call("prepare", comps)
+        group.call("prepare", Samples.of_call(comps))
         group.call("train", torch.randn(len(comps), generator=torch.Generator().manual_seed(0)))
         stats = group.call("sync_weights", 1)
         tp2 = group.call("greedy", PROMPTS)

@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest's tiny-model helper, also in children
 from conftest import save_tiny_model  # noqa: E402
 
-from tandem.config import AlgoConfig, OptimConfig  # noqa: E402
-from tandem.rollout.base import Completion, Sampling  # noqa: E402
+from tandem.config import AlgoConfig, OldLogprobs, OptimConfig  # noqa: E402
+from tandem.rollout.base import Completion, Samples, Sampling  # noqa: E402
 from tandem.train.batch import make_micro_batches  # noqa: E402
 
 ROWS = 6
@@ -45,21 +45,28 @@ def _policy(model_dir: str, mesh=None):
                   1.0, 8, mesh=mesh)
 
 
-def _mini(rows: list[int] | None, seed: int):
-    comps, adv = _completions(seed)
+def _step(rows: list[int] | None, seeds: list[int]):
+    """A step of one mini-batch per seed (each seed's completions); `rows` of each are this rank's share."""
+    parts = [_completions(seed) for seed in seeds]
+    samples = Samples.of_call(parts[0][0])
+    for comps, _ in parts[1:]:
+        samples = samples.concat(Samples.of_call(comps))
     subset = list(range(ROWS)) if rows is None else rows
-    return make_micro_batches(comps, adv, BUDGET, 0, subset) if subset else []
+    minis = [make_micro_batches(samples, BUDGET, 0, [k * ROWS + r for r in subset]) if subset else []
+             for k in range(len(seeds))]
+    return minis, torch.cat([adv for _, adv in parts]), len(samples)
 
 
 def _train(policy, rows: list[int] | None, between=None) -> list[float]:
     """3 optimizer steps: one call with 2 mini-batches (off-policy: old + reference forwards), then one on-policy."""
-    minis = [_mini(rows, 1), _mini(rows, 2)]
-    policy.update(minis, policy.prepare(minis)[0])
+    minis, adv, n = _step(rows, [1, 2])
+    policy.update(policy.prepare(minis, n), adv)
     losses = list(policy.last_losses)
     if between is not None:
         between(policy)
-    minis = [_mini(rows, 3)]
-    policy.update(minis, policy.prepare(minis)[0])
+    minis, adv, n = _step(rows, [3])
+    policy.old_logprobs = OldLogprobs.CURRENT  # one mini-batch, mu 1: what Config.old_logprobs picks
+    policy.update(policy.prepare(minis, n), adv)
     return losses + list(policy.last_losses)
 
 
@@ -146,7 +153,7 @@ def test_offload_is_exact_and_engine_sleeps(tmp_path):
 
     def roundtrip(policy) -> None:
         # gradients exist only between backward and step: make some, so the grads group has something to move
-        mb = _mini(None, 4)[0]
+        mb = _step(None, [4])[0][0][0]
         from tandem.train.policy import token_logprobs
 
         token_logprobs(policy.model, mb, 1.0)[0].sum().backward()
