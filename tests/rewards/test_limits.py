@@ -17,6 +17,7 @@ from tandem.data.sources import Prompt
 from tandem.evaluation import evaluate
 from tandem.rewards import RewardScorer, resolve_reward
 from tandem.rewards.base import ErrorRateLimit, RewardErrorRateExceeded, RewardSetupError
+from tandem.rollout.base import Samples
 
 
 def run(scorer: RewardScorer, completions: list[str]):
@@ -132,7 +133,8 @@ def test_evaluation_counts_reward_errors_by_function_and_kind():
     prompts = [Prompt([1, 2], {"question": "Q1", "target": "x"}), Prompt([3], {"question": "Q2", "target": "x"})]
 
     def generate(ids, sampling):
-        return [SimpleNamespace(text="x", prompt_index=i) for i in range(len(ids)) for _ in range(sampling.n)]
+        return Samples.of_call([SimpleNamespace(text="x", prompt_index=i) for i in range(len(ids))
+                                for _ in range(sampling.n)], len(ids))
 
     with RewardScorer([("bad_rewards:with_row", 1.0, {}), ("bad_rewards:raises", 1.0, {})], workers=0) as s:
         out = evaluate(generate, prompts, s, "bad_rewards:with_row", 4, k=3)
