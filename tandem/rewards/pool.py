@@ -115,120 +115,7 @@ class RewardPool:
             budget_message: str = "the reward budget ran out") -> dict[str, dict[int, Outcome]]:
         """Every item of every job gets an Outcome by `deadline` (time.monotonic()); never raises for what a reward
         does, never waits unbounded."""
-        out: dict[str, dict[int, Outcome]] = {job.key: {} for job in jobs}
-        queue: deque[Job] = deque(c for job in jobs for c in self._chunks(job, self.n))
-
-        def settle(job: Job, indices, kind: str, message: str) -> None:
-            for i in indices:
-                out[job.key][i] = Outcome(None, kind, message)
-
-        def assign(w: _Worker, job: Job) -> None:
-            try:
-                w.tx.send(("job", job.fn_bytes, job.kwargs, job.batched, job.items))
-            except OSError:  # the worker died while idle: start another, retry there
-                queue.appendleft(job)
-                self._replace(w)
-                return
-            except Exception as exc:  # a row that cannot be pickled (pickling errors come in many types)
-                settle(job, [it[0] for it in job.items], "raised", f"cannot send to the worker: {exc!r}"[:500])
-                return
-            w.job, w.pending = job, deque(it[0] for it in job.items)
-            w.deadline = time.monotonic() + timeout_s
-
-        def fail_current(w: _Worker, kind: str, message: str) -> None:
-            job, pending = w.job, list(w.pending)
-            w.job = None
-            self.restarts += 1
-            self._replace(w)
-            if job.batched:
-                settle(job, pending, kind, message)
-                return
-            settle(job, pending[:1], kind, message)
-            rest = tuple(it for it in job.items if it[0] in set(pending[1:]))
-            if rest:
-                queue.appendleft(Job(job.key, job.fn_bytes, job.kwargs, False, rest))
-
-        def out_of_time(message: str) -> None:
-            while queue:
-                job = queue.popleft()
-                settle(job, [it[0] for it in job.items], "budget", message)
-            for w in list(self._workers):
-                if w.job is not None:
-                    job, pending = w.job, list(w.pending)
-                    w.job = None
-                    self.restarts += 1
-                    self._replace(w)
-                    running = len(pending) if job.batched else 1
-                    settle(job, pending[:running], "budget", f"{message} during this call; its worker was killed")
-                    settle(job, pending[running:], "budget", message)
-
-        for w in list(self._workers):  # notice workers that became ready (or died) since the last call
-            if not w.ready:
-                self._drain(w, out, fail_current, timeout_s)
-        while queue or any(w.job is not None for w in self._workers):
-            for w in list(self._workers):
-                if w.ready and w.job is None and queue:
-                    assign(w, queue.popleft())
-            if self.start_failures >= self.max_start_failures and not any(w.ready for w in self._workers):
-                while queue:  # workers cannot start at all: score what is left as errors, do not spin
-                    job = queue.popleft()
-                    settle(job, [it[0] for it in job.items], "pool", "reward workers fail to start")
-                continue
-            now = time.monotonic()
-            if now >= deadline:
-                out_of_time(budget_message)
-                break
-            watched = [w for w in self._workers if w.job is not None or not w.ready]
-            if not watched:
-                continue
-            deadlines = [w.deadline if w.ready else w.started + self.startup_timeout_s for w in watched]
-            ready = wait([w.rx for w in watched], timeout=max(0.0, min(deadlines + [deadline]) - now))
-            for conn in ready:
-                w = next((x for x in self._workers if x.rx is conn), None)
-                if w is not None:
-                    self._drain(w, out, fail_current, timeout_s)
-            now = time.monotonic()
-            for w in list(self._workers):
-                if w.ready and w.job is not None and now > w.deadline:
-                    fail_current(w, "timeout", f"no result within {timeout_s:g} s; worker killed")
-                elif not w.ready and now > w.started + self.startup_timeout_s:
-                    self.start_failures += 1
-                    self._replace(w)
-        return out
-
-    def _drain(self, w: _Worker, out: dict[str, dict[int, Outcome]], fail_current, timeout_s: float) -> None:
-        while True:
-            try:
-                if not w.rx.poll():
-                    return
-                msg: Any = w.rx.recv()
-            except (EOFError, OSError):
-                rc = w.proc.wait()
-                if not w.ready:
-                    self.start_failures += 1
-                    self._replace(w)
-                elif w.job is not None:
-                    fail_current(w, "crashed", f"worker process died (exit code {rc})")
-                else:
-                    self._replace(w)
-                return
-            tag = msg[0]
-            if tag == "ready":
-                w.ready, self.start_failures = True, 0
-            elif tag == "ok":
-                out[w.job.key][msg[1]] = Outcome(msg[2])
-                w.pending.popleft()
-                w.deadline = time.monotonic() + timeout_s
-            elif tag == "err":
-                out[w.job.key][msg[1]] = Outcome(None, msg[2], msg[3])
-                w.pending.popleft()
-                w.deadline = time.monotonic() + timeout_s
-            elif tag == "batch":
-                for index, value, kind, message in msg[1]:
-                    out[w.job.key][index] = Outcome(value, kind, message)
-                w.pending.clear()
-            elif tag == "done":
-                w.job, w.deadline = None, math.inf
+        return _Round(self, jobs, timeout_s).run(deadline, budget_message)
 
     def close(self) -> None:
         for w in self._workers:
@@ -240,3 +127,134 @@ class RewardPool:
             self.close()
         except Exception:
             pass
+
+
+class _Round:
+    """One `RewardPool.run`: its queue of chunks, its outcomes, and what happens to a worker's call."""
+
+    def __init__(self, pool: RewardPool, jobs: list[Job], timeout_s: float):
+        self.pool, self.timeout_s = pool, timeout_s
+        self.out: dict[str, dict[int, Outcome]] = {job.key: {} for job in jobs}
+        self.queue: deque[Job] = deque(c for job in jobs for c in pool._chunks(job, pool.n))
+
+    def run(self, deadline: float, budget_message: str) -> dict[str, dict[int, Outcome]]:
+        pool = self.pool
+        for w in list(pool._workers):  # notice workers that became ready (or died) since the last call
+            if not w.ready:
+                self.drain(w)
+        while self.queue or any(w.job is not None for w in pool._workers):
+            for w in list(pool._workers):
+                if w.ready and w.job is None and self.queue:
+                    self.assign(w, self.queue.popleft())
+            if pool.start_failures >= pool.max_start_failures and not any(w.ready for w in pool._workers):
+                self.settle_queued("pool", "reward workers fail to start")  # do not spin
+                continue
+            if time.monotonic() >= deadline:
+                self.out_of_time(budget_message)
+                break
+            self.wait(deadline)
+        return self.out
+
+    def wait(self, deadline: float) -> None:
+        """Until a watched worker answers or one's time is up (or `deadline`); then what answered is read, and an
+        overrunning call or a worker that does not start is dealt with."""
+        pool, now = self.pool, time.monotonic()
+        watched = [w for w in pool._workers if w.job is not None or not w.ready]
+        if not watched:
+            return
+        deadlines = [w.deadline if w.ready else w.started + pool.startup_timeout_s for w in watched]
+        ready = wait([w.rx for w in watched], timeout=max(0.0, min(deadlines + [deadline]) - now))
+        for conn in ready:
+            w = next((x for x in pool._workers if x.rx is conn), None)
+            if w is not None:
+                self.drain(w)
+        now = time.monotonic()
+        for w in list(pool._workers):
+            if w.ready and w.job is not None and now > w.deadline:
+                self.fail_current(w, "timeout", f"no result within {self.timeout_s:g} s; worker killed")
+            elif not w.ready and now > w.started + pool.startup_timeout_s:
+                pool.start_failures += 1
+                pool._replace(w)
+
+    def settle(self, job: Job, indices, kind: str, message: str) -> None:
+        for i in indices:
+            self.out[job.key][i] = Outcome(None, kind, message)
+
+    def settle_queued(self, kind: str, message: str) -> None:
+        while self.queue:
+            job = self.queue.popleft()
+            self.settle(job, [it[0] for it in job.items], kind, message)
+
+    def assign(self, w: _Worker, job: Job) -> None:
+        try:
+            w.tx.send(("job", job.fn_bytes, job.kwargs, job.batched, job.items))
+        except OSError:  # the worker died while idle: start another, retry there
+            self.queue.appendleft(job)
+            self.pool._replace(w)
+            return
+        except Exception as exc:  # a row that cannot be pickled (pickling errors come in many types)
+            self.settle(job, [it[0] for it in job.items], "raised", f"cannot send to the worker: {exc!r}"[:500])
+            return
+        w.job, w.pending = job, deque(it[0] for it in job.items)
+        w.deadline = time.monotonic() + self.timeout_s
+
+    def fail_current(self, w: _Worker, kind: str, message: str) -> None:
+        job, pending = w.job, list(w.pending)
+        w.job = None
+        self.pool.restarts += 1
+        self.pool._replace(w)
+        if job.batched:
+            self.settle(job, pending, kind, message)
+            return
+        self.settle(job, pending[:1], kind, message)
+        rest = tuple(it for it in job.items if it[0] in set(pending[1:]))
+        if rest:
+            self.queue.appendleft(Job(job.key, job.fn_bytes, job.kwargs, False, rest))
+
+    def out_of_time(self, message: str) -> None:
+        self.settle_queued("budget", message)
+        for w in list(self.pool._workers):
+            if w.job is not None:
+                job, pending = w.job, list(w.pending)
+                w.job = None
+                self.pool.restarts += 1
+                self.pool._replace(w)
+                running = len(pending) if job.batched else 1
+                self.settle(job, pending[:running], "budget", f"{message} during this call; its worker was killed")
+                self.settle(job, pending[running:], "budget", message)
+
+    def drain(self, w: _Worker) -> None:
+        """Read what `w` has sent so far: outcomes, its readiness, or its death."""
+        pool, out = self.pool, self.out
+        while True:
+            try:
+                if not w.rx.poll():
+                    return
+                msg: Any = w.rx.recv()
+            except (EOFError, OSError):
+                rc = w.proc.wait()
+                if not w.ready:
+                    pool.start_failures += 1
+                    pool._replace(w)
+                elif w.job is not None:
+                    self.fail_current(w, "crashed", f"worker process died (exit code {rc})")
+                else:
+                    pool._replace(w)
+                return
+            tag = msg[0]
+            if tag == "ready":
+                w.ready, pool.start_failures = True, 0
+            elif tag == "ok":
+                out[w.job.key][msg[1]] = Outcome(msg[2])
+                w.pending.popleft()
+                w.deadline = time.monotonic() + self.timeout_s
+            elif tag == "err":
+                out[w.job.key][msg[1]] = Outcome(None, msg[2], msg[3])
+                w.pending.popleft()
+                w.deadline = time.monotonic() + self.timeout_s
+            elif tag == "batch":
+                for index, value, kind, message in msg[1]:
+                    out[w.job.key][index] = Outcome(value, kind, message)
+                w.pending.clear()
+            elif tag == "done":
+                w.job, w.deadline = None, math.inf

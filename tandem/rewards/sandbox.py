@@ -272,6 +272,58 @@ def judge_python(solution: str, tests: str, limits: SandboxLimits = SandboxLimit
     return _launch(solution, tests, "", limits, isolate, python, tuple(packages))
 
 
+def _write_run_folder(tmp: str, source: str, tests: str | None, stdin: str, binds: str, uid_a: int | None) -> int:
+    """The run's folder: `work` (the program's working directory), `root` (its root's mount point), the program,
+    the bind list and stdin; returns a read-only descriptor of the tests, whose file is already gone."""
+    work = os.path.join(tmp, "work")
+    os.mkdir(work, 0o700)
+    os.mkdir(os.path.join(tmp, "root"), 0o755)
+    if uid_a is not None:  # used only when the sandbox's own root could not be built
+        os.chmod(tmp, 0o711)
+        os.chown(work, uid_a, uid_a)
+    for name, text in (("solution.py", source), ("binds", binds), ("tests.py", tests or "")):
+        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    tests_path = os.path.join(tmp, "tests.py")
+    tests_fd = os.open(tests_path, os.O_RDONLY)
+    try:
+        os.unlink(tests_path)  # reachable through the harness's descriptor only
+        with open(os.path.join(tmp, "stdin"), "w", encoding="utf-8") as f:
+            f.write(stdin)
+    except BaseException:
+        os.close(tests_fd)
+        raise
+    return tests_fd
+
+
+def _read_report(report_r: int) -> str:
+    fcntl.fcntl(report_r, fcntl.F_SETFL, os.O_NONBLOCK)  # a leftover process may hold the write end open
+    try:
+        return os.read(report_r, 1 << 16).decode("utf-8", "replace")
+    except BlockingIOError:
+        return ""
+
+
+def _parse_report(report: str, judging: bool, returncode: int) -> tuple[dict[str, int], int, bool | None, str]:
+    """The boot's report: (isolation flags, the exit code to report, the harness's verdict, its reason). A judged
+    run keeps `returncode`, the boot's own."""
+    isolation: dict[str, int] = {}
+    passed, reason = None, ""
+    for line in report.splitlines():
+        word, _, rest = line.partition(" ")
+        if word == "status":
+            for item in rest.split():
+                key, _, value = item.partition("=")
+                isolation[key] = int(value == "1")
+        elif word == "exit" and rest.strip().lstrip("-").isdigit():
+            status = int(rest)
+            returncode = os.waitstatus_to_exitcode(status) if not judging else returncode
+        elif word == "verdict":
+            flag, _, reason = rest.partition(" ")
+            passed = flag == "1"
+    return isolation, returncode, passed, reason
+
+
 def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, isolate: bool, python: str | None,
             packages: tuple[str, ...]) -> SandboxResult:
     python = python or _interpreter()
@@ -284,26 +336,9 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
     tmp = tempfile.mkdtemp(prefix="tandem-sandbox-")
     report_r = report_w = tests_fd = -1
     try:
-        work = os.path.join(tmp, "work")
-        os.mkdir(work, 0o700)
-        os.mkdir(os.path.join(tmp, "root"), 0o755)
-        if uid_a is not None:  # used only when the sandbox's own root could not be built
-            os.chmod(tmp, 0o711)
-            os.chown(work, uid_a, uid_a)
-        src = os.path.join(tmp, "solution.py")
-        with open(src, "w", encoding="utf-8") as f:
-            f.write(source)
-        binds_path = os.path.join(tmp, "binds")
-        with open(binds_path, "w", encoding="utf-8") as f:
-            f.write(binds)
-        tests_path = os.path.join(tmp, "tests.py")
-        with open(tests_path, "w", encoding="utf-8") as f:
-            f.write(tests or "")
-        tests_fd = os.open(tests_path, os.O_RDONLY)
-        os.unlink(tests_path)  # reachable through the harness's descriptor only
+        tests_fd = _write_run_folder(tmp, source, tests, stdin, binds, uid_a)
+        work, src, binds_path = (os.path.join(tmp, n) for n in ("work", "solution.py", "binds"))
         in_path, out_path, err_path = (os.path.join(tmp, n) for n in ("stdin", "stdout", "stderr"))
-        with open(in_path, "w", encoding="utf-8") as f:
-            f.write(stdin)
         report_r, report_w = os.pipe()
         nproc = limits.nproc if root else _user_process_count() + limits.nproc
         args = ["judge" if tests is not None else "run", src, str(tests_fd), str(report_w), tmp,
@@ -331,25 +366,8 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
                     pass
                 proc.wait()
         wall = time.monotonic() - t0
-        fcntl.fcntl(report_r, fcntl.F_SETFL, os.O_NONBLOCK)  # a leftover process may hold the write end open
-        try:
-            report = os.read(report_r, 1 << 16).decode("utf-8", "replace")
-        except BlockingIOError:
-            report = ""
-        isolation: dict[str, int] = {}
-        returncode, passed, reason = proc.returncode, None, ""
-        for line in report.splitlines():
-            word, _, rest = line.partition(" ")
-            if word == "status":
-                for item in rest.split():
-                    key, _, value = item.partition("=")
-                    isolation[key] = int(value == "1")
-            elif word == "exit" and rest.strip().lstrip("-").isdigit():
-                status = int(rest)
-                returncode = os.waitstatus_to_exitcode(status) if tests is None else returncode
-            elif word == "verdict":
-                flag, _, reason = rest.partition(" ")
-                passed = flag == "1"
+        isolation, returncode, passed, reason = _parse_report(_read_report(report_r), tests is not None,
+                                                              proc.returncode)
         if uid_a is not None and not isolation.get("pid"):  # a pid namespace's processes all died with its pid 1
             for uid in (uid_a, uid_b):
                 _sweep(uid)

@@ -350,7 +350,8 @@ def flush():
 
 
 # ---- 5. the harness ---------------------------------------------------------------------------------------------
-def run_harness(sock):
+def plain_loads_function():
+    """The harness's `loads`: what the program sends is unpickled into builtin plain data only."""
     import builtins
     import io
     import pickle
@@ -367,6 +368,14 @@ def run_harness(sock):
 
     def loads(data):
         return _PlainUnpickler(io.BytesIO(data)).load()
+
+    return loads
+
+
+def remote_class(sock, loads):
+    """The class of the harness's stand-ins for the program's objects: each use of one is a call over `sock`, and
+    what comes back is plain data, another stand-in, or the candidate's exception raised again as a builtin one."""
+    import builtins
 
     class ProgramGone(Exception):
         pass
@@ -427,6 +436,15 @@ def run_harness(sock):
         def __repr__(self):
             return "<an object of the program's>"
 
+    return Remote
+
+
+def run_harness(sock):
+    import builtins
+    import pickle
+
+    loads = plain_loads_function()
+    Remote = remote_class(sock, loads)
     close_fds_except(sock.fileno(), report, tests_fd)
     confine(uid_b, "/")
     if libc is not None:

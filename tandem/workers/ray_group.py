@@ -20,6 +20,9 @@ from tandem.workers.group import WorkerContext, WorkerError
 
 CLOSE_TIMEOUT_S = 10.0  # a worker's close() is best effort: a hung one must not hang shutdown
 FAILURE_GRACE_S = 2.0  # after a first failure, how long the other workers' outcomes may take to arrive
+# A call's arguments at least this large (pickled) go to a group's actors as one object-store ref: Ray inlines
+# smaller ones in each call (its max_direct_call_object_size, 100 KiB), which is cheaper than a put and a fetch.
+SHARED_ARGS_MIN_BYTES = 100 * 1024
 
 
 def import_ray() -> Any:
@@ -387,14 +390,24 @@ class RayWorkerGroup:
         entries = [(self, rank, ref) for rank, ref in enumerate(refs)]
         return RayPending(self.gang, method, entries, self.call_timeout_s)
 
+    def _shared(self, value: tuple | dict) -> Any:
+        """A call's positional tuple or keyword dict as it goes to every actor: a large one as one object-store ref
+        (serialized and stored once, where Ray would store a copy per actor's call; Ray hands each actor the value
+        behind a ref given as an argument), a small one inline."""
+        if len(self.actors) < 2 or not value or not _pickles_beyond(value, SHARED_ARGS_MIN_BYTES):
+            return value
+        return import_ray().put(value)
+
     def submit(self, method: str, *args: Any, **kwargs: Any) -> RayPending:
         self._check(method)
+        args, kwargs = self._shared(args), self._shared(kwargs)
         return self._pending(method, [a.call.remote(method, args, kwargs) for a in self.actors])
 
     def submit_side(self, method: str, *args: Any, **kwargs: Any) -> RayPending:
         """Like submit, but on each actor's side lane: it runs while a main-lane call is still working (one side
         call at a time). Asynchronous sampling receives weights this way while the sampler generates."""
         self._check(method)
+        args, kwargs = self._shared(args), self._shared(kwargs)
         return self._pending(method, [a.call.options(concurrency_group=SIDE_LANE).remote(method, args, kwargs)
                                       for a in self.actors])
 
@@ -450,6 +463,38 @@ class RayWorkerGroup:
         return f"RayWorkerGroup({self.name!r}, size={self.size}, global_ranks={self.global_ranks})"
 
 
+class _Full(Exception):
+    pass
+
+
+class _CountingSink:
+    """A file for a pickler that keeps nothing and stops it once more than `limit` bytes were written."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.left -= n
+        if self.left < 0:
+            raise _Full
+        return n
+
+
+def _pickles_beyond(value: Any, limit: int) -> bool:
+    """Whether `value` pickles to more than `limit` bytes, at the cost of pickling at most about `limit` of them.
+    A value this pickler refuses (one only Ray's serializer knows) counts as small: it goes inline, as before."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.Pickler(_CountingSink(limit), protocol=5).dump(value)
+    except _Full:
+        return True
+    except Exception:
+        return False
+    return False
+
+
 def _code_paths() -> list[str]:
     """Folders the actors need on their path to import what the driver imports: this checkout's `tandem` first,
     then the driver's own additions (a test's folder), but not the interpreter's or the environment's."""
@@ -496,59 +541,18 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
     ask for) and shut down with the last group. A failure anywhere kills every actor of every group started here.
     """
     ray = import_ray()
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    specs = [s if isinstance(s, GroupSpec) else GroupSpec(*s) for s in specs]
-    names = [s.name for s in specs]
-    if not specs or len(set(names)) != len(names) or any(s.size < 1 for s in specs):
-        raise ValueError(f"start_groups needs groups with distinct names and sizes ≥ 1, got {specs}")
-    joined = [s.join_world for s in specs]
-    if joined != sorted(joined, reverse=True):  # the world's ranks are then the first global ranks
-        raise ValueError(f"start_groups: groups with join_world=False must come after the others, got {names}")
+    specs = _checked_specs(specs)
     if backend == "auto":
-        gpu = [s.gpus_per_worker > 0 for s in specs]
-        backend = "gloo" if not any(gpu) else "cpu:gloo,cuda:nccl"
+        backend = "gloo" if not any(s.gpus_per_worker > 0 for s in specs) else "cpu:gloo,cuda:nccl"
     if num_cpus is None:
         num_cpus = sum(s.size * s.cpus_per_worker for s in specs)
     owns = _acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
     gang = _Gang(owns)
     placements: list[Any] = []
     try:
-        for s in specs:
-            bundle = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
-            placements.append(placement_group([dict(bundle) for _ in range(s.size)], strategy="PACK"))
-        ready, _ = ray.wait([p.ready() for p in placements], num_returns=len(placements),
-                            timeout=placement_timeout_s)
-        if len(ready) != len(placements):
-            raise WorkerError(f"could not place {[(s.name, s.size, s.cpus_per_worker, s.gpus_per_worker) for s in specs]}"
-                              f" within {placement_timeout_s:.0f} s; the cluster has {ray.available_resources()} free")
-        host = ray.remote(concurrency_groups={SIDE_LANE: 1})(_Host)
-        world, first = sum(s.size for s in specs if s.join_world), 0
-        group_ranks: dict[str, list[int]] = {}
-        for s, placement in zip(specs, placements):
-            group_ranks[s.name] = list(range(first, first + s.size))
-            actors = [host.options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker, max_restarts=0,
-                                   runtime_env=_runtime_env(s.cpus_per_worker, runtime_env),
-                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                       placement, placement_group_bundle_index=i)).remote(s.cpus_per_worker,
-                                                                                          s.gpus_per_worker)
-                      for i in range(s.size)]
-            gang.groups.append(RayWorkerGroup(gang, s, actors, placement, group_ranks[s.name], call_timeout_s))
-            first += s.size
-        first_group = gang.groups[0]
-        master = RayPending(gang, "address", [(first_group, 0, first_group.actors[0].address.remote())],
-                            setup_timeout_s).get()[0]
-        order = [(s.name, group_ranks[s.name]) for s in specs if s.join_world]
-        entries = []
-        for g, s in zip(gang.groups, specs):
-            for rank, actor in enumerate(g.actors):
-                ctx = WorkerContext(rank=rank, size=s.size, global_rank=g.global_ranks[rank], world_size=world,
-                                    group_ranks=group_ranks, name=s.name)
-                ref = actor.setup.remote(s.factory, ctx, backend if s.join_world else None, master, pg_timeout_s,
-                                         order)
-                entries.append((g, rank, ref))
-        RayPending(gang, "setup", entries, setup_timeout_s).get()
+        _place(specs, placement_timeout_s, placements)
+        _start_actors(gang, specs, placements, call_timeout_s, runtime_env)
+        _set_up(gang, specs, backend, pg_timeout_s, setup_timeout_s)
     except BaseException:
         gang.fail("start_groups did not finish")
         for placement in placements:
@@ -560,6 +564,73 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
             _release_ray()
         raise
     return gang.groups
+
+
+def _checked_specs(specs: Sequence[GroupSpec | tuple]) -> list[GroupSpec]:
+    specs = [s if isinstance(s, GroupSpec) else GroupSpec(*s) for s in specs]
+    names = [s.name for s in specs]
+    if not specs or len(set(names)) != len(names) or any(s.size < 1 for s in specs):
+        raise ValueError(f"start_groups needs groups with distinct names and sizes ≥ 1, got {specs}")
+    joined = [s.join_world for s in specs]
+    if joined != sorted(joined, reverse=True):  # the world's ranks are then the first global ranks
+        raise ValueError(f"start_groups: groups with join_world=False must come after the others, got {names}")
+    return specs
+
+
+def _place(specs: list[GroupSpec], timeout_s: float, placements: list[Any]) -> None:
+    """A placement group per group, one bundle per worker, all reserved before any actor starts; appended to
+    `placements` as each is asked for, so that a failure frees those made."""
+    ray = import_ray()
+    from ray.util.placement_group import placement_group
+
+    for s in specs:
+        bundle = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
+        placements.append(placement_group([dict(bundle) for _ in range(s.size)], strategy="PACK"))
+    ready, _ = ray.wait([p.ready() for p in placements], num_returns=len(placements), timeout=timeout_s)
+    if len(ready) != len(placements):
+        raise WorkerError(f"could not place {[(s.name, s.size, s.cpus_per_worker, s.gpus_per_worker) for s in specs]}"
+                          f" within {timeout_s:.0f} s; the cluster has {ray.available_resources()} free")
+
+
+def _start_actors(gang: _Gang, specs: list[GroupSpec], placements: list[Any], call_timeout_s: float | None,
+                  runtime_env: dict | None) -> None:
+    """An actor per worker in its bundle, numbered group after group; the groups go into `gang.groups`."""
+    ray = import_ray()
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    host = ray.remote(concurrency_groups={SIDE_LANE: 1})(_Host)
+    first = 0
+    for s, placement in zip(specs, placements):
+        actors = [host.options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker, max_restarts=0,
+                               runtime_env=_runtime_env(s.cpus_per_worker, runtime_env),
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                   placement, placement_group_bundle_index=i)).remote(s.cpus_per_worker,
+                                                                                      s.gpus_per_worker)
+                  for i in range(s.size)]
+        gang.groups.append(RayWorkerGroup(gang, s, actors, placement, list(range(first, first + s.size)),
+                                          call_timeout_s))
+        first += s.size
+
+
+def _set_up(gang: _Gang, specs: list[GroupSpec], backend: str | None, pg_timeout_s: float,
+            setup_timeout_s: float | None) -> None:
+    """Every actor joins the world (those of join_world groups, at the first actor's address) and builds its
+    worker; returns once all have."""
+    first_group = gang.groups[0]
+    master = RayPending(gang, "address", [(first_group, 0, first_group.actors[0].address.remote())],
+                        setup_timeout_s).get()[0]
+    group_ranks = {g.name: g.global_ranks for g in gang.groups}
+    world = sum(s.size for s in specs if s.join_world)
+    order = [(s.name, group_ranks[s.name]) for s in specs if s.join_world]
+    entries = []
+    for g, s in zip(gang.groups, specs):
+        for rank, actor in enumerate(g.actors):
+            ctx = WorkerContext(rank=rank, size=s.size, global_rank=g.global_ranks[rank], world_size=world,
+                                group_ranks=group_ranks, name=s.name)
+            ref = actor.setup.remote(s.factory, ctx, backend if s.join_world else None, master, pg_timeout_s,
+                                     order)
+            entries.append((g, rank, ref))
+    RayPending(gang, "setup", entries, setup_timeout_s).get()
 
 
 def start_group(name: str, factory: Callable[[WorkerContext], Any], size: int = 1, *, cpus_per_worker: float = 1,

@@ -27,6 +27,9 @@ class ProbeWorker:
     def add(self, x: int, y: int = 0) -> int:
         return x + y + 100 * self.ctx.rank
 
+    def total(self, values: list, offset: int = 0) -> int:
+        return sum(values) + offset + 100 * self.ctx.rank
+
     def all_reduce(self, value: float, world: bool = False) -> float:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, group=None if world else self.ctx.group)

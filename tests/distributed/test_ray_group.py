@@ -102,6 +102,23 @@ def test_process_group_calls_and_submit(session, tmp_path):
         group.call("info")
 
 
+def test_a_large_argument_reaches_every_actor_through_one_put(session, monkeypatch):
+    """A step's completions go to every trainer: stored once per call, not copied once per actor."""
+    import ray
+
+    group = start_group("trainers", ProbeWorker, 2, **BOUNDED)
+    real_put, puts = ray.put, []
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
+    try:
+        big = list(range(50_000))  # ~250 KB pickled: more than Ray inlines in a call (100 KiB)
+        assert group.call("total", big) == [sum(big), sum(big) + 100] and puts == [(big,)]
+        assert group.submit_side("total", big, offset=1).get() == [sum(big) + 1, sum(big) + 101]
+        assert len(puts) == 2
+        assert group.call("total", [1, 2], offset=3) == [6, 106] and len(puts) == 2  # small: inline, no put
+    finally:
+        group.shutdown()
+
+
 def test_two_groups_share_one_world(session):
     trainers, samplers = start_groups([GroupSpec("trainers", ProbeWorker, 1), ("samplers", ProbeWorker, 2)],
                                       **BOUNDED)
