@@ -179,7 +179,12 @@ class AlgoConfig(Section):
     advantage: str = Field(
         "grpo", description="Advantage estimator (tandem.algo.ADVANTAGES): `grpo` (DeepSeekMath: (r - group mean) / "
         "(group std + eps)), `dr_grpo` (Dr.GRPO: no std division), `grpo_batch_std` (batch std), `rloo` "
-        "(leave-one-out baseline), `reinforce_pp` (REINFORCE++: batch-normalized), `reinforce_pp_baseline`.",
+        "(leave-one-out baseline), `reinforce_pp` (REINFORCE++: rewards whitened over the batch's tokens, as the "
+        "paper and verl; a sample counts once per token it trains on), `reinforce_pp_sample` (the same whitening over "
+        "samples, each counting once), `reinforce_pp_baseline` (group mean removed, then whitened over tokens, as "
+        "verl), `reinforce_pp_baseline_sample` (... then whitened over samples). A group of one is its own baseline: "
+        "its reward does not move its advantage (0 under grpo, dr_grpo, grpo_batch_std, rloo; verl uses the raw "
+        "reward there).",
     )
     policy_loss: str = Field(
         "clip", description="Policy loss (tandem.algo.POLICY_LOSSES): `clip` (PPO clipped surrogate, DAPO "
@@ -189,10 +194,21 @@ class AlgoConfig(Section):
         "token_mean", description="Loss aggregation (tandem.algo.AGGREGATIONS): `token_mean` (DAPO), "
         "`seq_mean_token_mean` (original GRPO), `seq_mean_token_sum`, `seq_mean_token_sum_norm` (Dr.GRPO).",
     )
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: ratio >= 1 - clip_low.")
+    clip_low: float = Field(
+        0.2, ge=0.0, description="Lower clip: ratio >= 1 - clip_low, in `clip` and in `cispo`'s weight (as verl). "
+        "A value >= 1 means no lower bound (a ratio is > 0): the CISPO paper's upper-only weight is clip_low >= 1 "
+        "(verl's example sets 10).",
+    )
     clip_high: float = Field(0.2, ge=0.0, description="Upper clip: ratio <= 1 + clip_high. DAPO's clip-higher uses 0.28.")
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(policy || reference) in the loss. 0 = no reference model is loaded.")
     kl_estimator: str = Field("k3", description="KL estimator (tandem.algo.KL_ESTIMATORS): k1, k2 or k3 (GRPO's).")
+    kl_ratio_correction: bool = Field(
+        False, description="Multiply the KL term's estimate by the importance ratio pi / pi_old (with its gradient), "
+        "as TRL's use_bias_correction_kl (its default) and DeepSeek-V3.2: k3's gradient then is that of the reverse "
+        "KL(policy || reference). Off (the default): k3's sampled gradient is that of the forward KL(reference || "
+        "policy), as in DeepSeekMath's GRPO and verl's default, the recipes tandem's presets follow. Needs a KL term "
+        "in the loss (kl_coef > 0, kl_in_reward false).",
+    )
     adv_eps: float = Field(1e-6, gt=0.0, description="Added to the group std so equal rewards give advantage 0, not NaN.")
     mu: int = Field(1, ge=1, description="Policy updates per batch (GRPO's mu) against the stored old logprobs.")
     dual_clip: float | None = Field(
@@ -340,15 +356,34 @@ class Config(Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Config":
+    def _algo_checks(self) -> "Config":
+        """The algorithm's settings: registered names, and combinations that would train on nothing or ignore a
+        field."""
         from tandem.algo import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 
+        a = self.algo
         for field, table in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES),
                              ("loss_agg", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
-            value = getattr(self.algo, field)
+            value = getattr(a, field)
             if value not in table:
                 raise ConfigError(f"algo.{field}: {value!r} is not registered{_suggest(value, table)}; "
                                   f"choose one of: {', '.join(sorted(table))}")
+        group_baselines = ("grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_pp_baseline",
+                           "reinforce_pp_baseline_sample")
+        if self.batch.group_size < 2 and a.advantage in group_baselines:
+            raise ConfigError(
+                f"batch.group_size: {self.batch.group_size} leaves every GRPO advantage at 0 (a group of one has no "
+                "relative reward); use group_size >= 2, or algo.advantage: reinforce_pp (no group baseline)")
+        if a.kl_in_reward and a.kl_coef == 0:
+            raise ConfigError("algo.kl_in_reward: true needs algo.kl_coef > 0 (the penalty's weight)")
+        if a.kl_ratio_correction and (a.kl_coef == 0 or a.kl_in_reward):
+            why = "algo.kl_coef is 0" if a.kl_coef == 0 else "algo.kl_in_reward puts the KL in the reward"
+            raise ConfigError(f"algo.kl_ratio_correction: true needs a KL term in the loss ({why}), else it does "
+                              "nothing; set algo.kl_coef > 0 with algo.kl_in_reward: false, or drop it")
+        return self
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
         b = self.batch
         if b.prompts_per_step % b.mini_batches:
             raise ConfigError(
@@ -359,16 +394,10 @@ class Config(Section):
             raise ConfigError(
                 f"batch.micro_batch_tokens: {b.micro_batch_tokens} cannot hold one sequence of up to "
                 f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens; set it to at least {longest}")
-        if b.group_size < 2 and self.algo.advantage in ("grpo", "dr_grpo", "grpo_batch_std", "rloo"):
-            raise ConfigError(
-                f"batch.group_size: {b.group_size} leaves every GRPO advantage at 0 (a group of one has no "
-                "relative reward); use group_size >= 2")
         v = self.rollout.vllm
         if self.rollout.engine == "vllm" and v.max_model_len and v.max_model_len < longest:
             raise ConfigError(f"rollout.vllm.max_model_len: {v.max_model_len} is below data.max_prompt_tokens + "
                               f"rollout.max_new_tokens = {longest}; raise it or set 0 (the model's limit)")
-        if self.algo.kl_in_reward and self.algo.kl_coef == 0:
-            raise ConfigError("algo.kl_in_reward: true needs algo.kl_coef > 0 (the penalty's weight)")
         if self.algo.overlong_buffer > self.rollout.max_new_tokens:
             raise ConfigError(f"algo.overlong_buffer: {self.algo.overlong_buffer} exceeds rollout.max_new_tokens="
                               f"{self.rollout.max_new_tokens}; the ramp must fit inside the length limit")

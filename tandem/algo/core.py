@@ -7,7 +7,9 @@ Besides the four registries, this module holds the pure helpers of the GRPO fami
 (the trainer calls them; each is a few lines of tensor code, tested on its own):
 
 - `kl_reward_penalty`: KL as a reward penalty (instead of a loss term).
-- `entropy_loss_term`, `kl_loss_term`: extra per-token loss terms, aggregated with the policy loss.
+- `token_loss` (with its `LossSpec`): the per-token loss one update trains on, policy loss x TIS weight + KL term
+  + entropy term, and the conventions of each (the KL gradient's among them: see its section).
+- `entropy_loss_term`, `kl_loss_term`, `entropy_from_logprobs`: the extra per-token terms and the entropy.
 - `nonzero_variance_groups`, `first_k_groups`: DAPO's dynamic sampling.
 - `overlong_penalty`, `truncation_mask`: DAPO's overlong reward shaping and overlong filtering.
 - `tis_weights`: truncated importance sampling against the sampler's logprobs (Yao et al. 2025).
@@ -57,8 +59,15 @@ def register_aggregation(name: str):
 
 
 # ---------------------------------------------------------------------------------------------- advantages
-# Signature: (rewards[N], groups[N] long, eps) -> advantages[N]. `groups` labels which prompt a sample answers.
-# Statistics are taken in float64 and the result is cast back to the rewards' dtype.
+# Signature: (rewards[N], groups[N] long, lengths[N], eps) -> advantages[N]. `groups` labels which prompt a sample
+# answers; `lengths` counts the tokens each sample trains on (0 for one that trains on none), read only by the
+# estimators that weigh samples by their tokens (REINFORCE++'s whitening). Statistics are taken in float64 and the
+# result is cast back to the rewards' dtype.
+#
+# A group of one is its own baseline: its centred reward is 0 whatever its reward, so it learns nothing from it
+# (advantage 0 under grpo, dr_grpo, grpo_batch_std and rloo). verl takes a lone sample's baseline as 0 instead, so
+# its raw reward is its advantage; tandem does not, because one sample says nothing about how hard its prompt is
+# (a config whose every group is one sample is refused; see `Config._cross_checks`).
 
 
 def _group_stats(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -83,15 +92,36 @@ def _batch_std(x: Tensor) -> Tensor:
     return x.std() if x.numel() > 1 else torch.zeros((), dtype=x.dtype)
 
 
+def _whiten_samples(x: Tensor, eps: float) -> Tensor:
+    """(x - mean(x)) / (std(x) + eps) over samples, each sample counting once."""
+    return _safe_div(x - x.mean(), _batch_std(x) + eps)
+
+
+def _whiten_tokens(x: Tensor, lengths: Tensor, eps: float) -> Tensor:
+    """(x - mean) / (std + eps) with the mean and (unbiased) std over tokens, each sample's value repeated for each
+    of its tokens: verl's `masked_whiten` of per-token returns that all equal their sequence's value. No token at
+    all: zeros."""
+    if lengths.shape != x.shape:
+        raise ValueError(f"lengths: shape {tuple(lengths.shape)} does not match rewards {tuple(x.shape)}; pass one "
+                         "token count per sample (the tokens it trains on)")
+    n = lengths.double()
+    total = n.sum()
+    if total == 0:
+        return torch.zeros_like(x)
+    mean = (n * x).sum() / total
+    var = (n * (x - mean) ** 2).sum() / (total - 1) if total > 1 else torch.zeros((), dtype=x.dtype)
+    return _safe_div(x - mean, var.sqrt() + eps)
+
+
 @register_advantage("grpo")
-def grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): (r - mean(group)) / (std(group) + eps)."""
     mean, std, _ = _group_stats(rewards, groups)
     return _safe_div(rewards.double() - mean, std + eps).to(rewards.dtype)
 
 
 @register_advantage("dr_grpo")
-def dr_grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+def dr_grpo_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): r - mean(group).
 
     No division by the group std, which up-weights too-easy and too-hard prompts (a difficulty bias).
@@ -101,7 +131,7 @@ def dr_grpo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Te
 
 
 @register_advantage("grpo_batch_std")
-def grpo_batch_std_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+def grpo_batch_std_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
     """Group mean, batch std (Liu et al. 2025, "Tricks or Traps?", Lite PPO): (r - mean(group)) / (std(batch) + eps).
 
     The std of all rewards in the step scales every group alike, so low-variance groups are not blown up.
@@ -112,7 +142,7 @@ def grpo_batch_std_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6
 
 
 @register_advantage("rloo")
-def rloo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
+def rloo_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
     """RLOO (Ahmadian et al. 2024, "Back to Basics"): r_i - mean_{j != i in group} r_j = n/(n-1) (r_i - mean(group)).
 
     A group of one has no other sample to form a baseline: its advantage is 0.
@@ -124,30 +154,49 @@ def rloo_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tenso
 
 
 @register_advantage("reinforce_pp")
-def reinforce_pp_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
-    """REINFORCE++ (Hu 2025): global normalization, (r - mean(batch)) / (std(batch) + eps). Groups are ignored.
+def reinforce_pp_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++ (Hu 2025): the returns whitened over the batch's tokens. Groups are ignored.
 
-    With outcome rewards and no token-level KL in the reward, the discounted return of every token is the
-    sequence reward, so the per-sample normalization here equals REINFORCE++'s whitening.
+    With outcome rewards (no KL in the per-token reward, no discount) every token's return is its sequence's
+    reward, so whitening the returns over tokens, as the paper and verl do, is (r - mean) / (std + eps) with the
+    mean and std over tokens: a sample counts once per token it trains on, so long answers set the scale.
+    `reinforce_pp_sample` counts each sample once.
     """
-    r = rewards.double()
-    return _safe_div(r - r.mean(), _batch_std(r) + eps).to(rewards.dtype)
+    return _whiten_tokens(rewards.double(), lengths, eps).to(rewards.dtype)
+
+
+@register_advantage("reinforce_pp_sample")
+def reinforce_pp_sample_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++'s global normalization over samples, (r - mean(batch)) / (std(batch) + eps), each sample counting
+    once whatever its length (tandem's `reinforce_pp` before token whitening). Groups and lengths are ignored."""
+    return _whiten_samples(rewards.double(), eps).to(rewards.dtype)
 
 
 @register_advantage("reinforce_pp_baseline")
-def reinforce_pp_baseline_advantages(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
-    """REINFORCE++-baseline (Hu 2025): x = r - mean(group), then (x - mean(batch x)) / (std(batch x) + eps).
+def reinforce_pp_baseline_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++-baseline (Hu 2025): x = r - mean(group), then x whitened over the batch's tokens, as verl does.
 
-    The group mean removes each prompt's difficulty; the batch normalization sets one scale for the step.
-    Samples are weighted alike (verl whitens over tokens, which weighs long answers more).
+    The group mean removes each prompt's difficulty; the whitening sets one scale for the step, each sample
+    counting once per token it trains on. A group of one has x = 0 (see the section's comment).
     """
     mean, _, _ = _group_stats(rewards, groups)
-    x = rewards.double() - mean
-    return _safe_div(x - x.mean(), _batch_std(x) + eps).to(rewards.dtype)
+    return _whiten_tokens(rewards.double() - mean, lengths, eps).to(rewards.dtype)
+
+
+@register_advantage("reinforce_pp_baseline_sample")
+def reinforce_pp_baseline_sample_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor,
+                                            eps: float = 1e-6) -> Tensor:
+    """REINFORCE++-baseline with the whitening over samples: x = r - mean(group), then (x - mean(x)) / (std(x) +
+    eps), each sample counting once whatever its length. Lengths are ignored."""
+    mean, _, _ = _group_stats(rewards, groups)
+    return _whiten_samples(rewards.double() - mean, eps).to(rewards.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- KL estimators
 # Signature: (logp[B,T], ref_logp[B,T]) -> per-token estimate of KL(pi || ref) [B,T] (Schulman, "Approximating KL").
+# "Unbiased" is about the value, under samples from pi. As a loss term each one's expected gradient differs (tested:
+# tests/algo/test_algo_gradients.py): k1's is 0, k2's is grad KL(pi || ref), k3's is grad KL(ref || pi); times
+# the ratio pi / pi_old (`kl_ratio_correction`), k1's and k3's become grad KL(pi || ref). See `token_loss`.
 
 
 @register_kl("k1")
@@ -186,6 +235,7 @@ def kl_reward_penalty(kl: Tensor, mask: Tensor, coef: float) -> Tensor:
 class LossParams:
     """The knobs every policy loss may read (from AlgoConfig)."""
 
+    # ratio >= 1 - clip_low (clip, and CISPO's weight); clip_low >= 1 bounds nothing below, a ratio being > 0.
     clip_low: float = 0.2
     clip_high: float = 0.2
     # Dual clip (Ye et al. 2020): for A < 0 the token loss is at most -c * A. None = off; must be > 1.
@@ -263,16 +313,16 @@ def cispo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, 2025): REINFORCE weighted by a clipped, stop-gradient importance weight.
 
-    grad = -sg(min(ratio, 1 + clip_high)) * A * grad logp_t: unlike PPO no token's gradient is dropped, only its
-    weight is capped. As in the paper only the upper bound is applied (their eps_low is effectively infinite).
+    grad = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * grad logp_t: unlike PPO no token's gradient is
+    dropped, only its weight is bounded. Both bounds apply, as in verl; the paper bounds the weight above only
+    (its eps_low is effectively infinite), which is clip_low >= 1 here (verl's example sets 10).
     Written as -sg(w) * A * exp(logp - sg(logp)) so the value is -w * A (a readable loss) with that gradient.
     """
     adv = _token_adv(advantages)
     ratio = torch.exp((logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).detach()
-    cap = 1.0 + params.clip_high
-    weight = ratio.clamp(max=cap)
+    weight = ratio.clamp(1.0 - params.clip_low, 1.0 + params.clip_high)
     loss = -weight * adv * torch.exp(logp - logp.detach())
-    return loss * mask, {"clip_frac": (ratio > cap).to(logp.dtype), "ratio": ratio}
+    return loss * mask, {"clip_frac": (weight != ratio).to(logp.dtype), "ratio": ratio}
 
 
 def tis_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
@@ -351,8 +401,10 @@ def entropy_loss_term(entropy: Tensor, mask: Tensor, coef: float) -> Tensor:
     return -coef * entropy * mask
 
 
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def entropy_from_logprobs(logp_all: Tensor) -> Tensor:
+    """Per-position entropy [...] of the categorical distribution whose log-probabilities (log-softmax output) are
+    `logp_all` [..., V]: the op training runs on the log-softmax it already has."""
+    return -(logp_all.exp() * logp_all).sum(-1)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
@@ -361,8 +413,83 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     Computed in at least float32 (bf16 logits lose too much in log_softmax); float64 stays float64.
     """
     x = logits if logits.dtype == torch.float64 else logits.float()
-    logp = torch.log_softmax(x, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    return entropy_from_logprobs(torch.log_softmax(x, dim=-1))
+
+
+# ---------------------------------------------------------------------------------------------- the per-token loss
+# What one update's forward trains on, assembled in one place: policy loss x TIS weight + KL term + entropy term.
+#
+# The KL term's gradient is a convention (`kl_ratio_correction`). k3 as a loss term, sampled from the old policy,
+# has E[grad k3] = grad KL(ref || pi), the *forward* KL, at theta = theta_old (DeepSeekMath's GRPO, verl's default;
+# tandem's default, for that lineage and because it keeps a recipe's KL gradient what those recipes tuned).
+# Multiplying the estimator by the importance ratio pi / pi_old (TRL's `use_bias_correction_kl`, its default;
+# DeepSeek-V3.2) makes E_old[grad (ratio * k)] = grad E_pi[k], for k1 and k3 the gradient of the reverse
+# KL(pi || ref) the penalty is named after. The ratio carries the gradient (its value is 1 on policy, its gradient
+# is not 0) and is taken against the same old logprobs as the policy loss; the TIS weight does not touch the KL.
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Everything the per-token loss reads, from AlgoConfig (`LossSpec.from_algo(algo)`)."""
+
+    policy_loss: str = "clip"  # a POLICY_LOSSES name
+    params: LossParams = LossParams()
+    kl_coef: float = 0.0  # 0 = no KL term in the loss (no reference, or the KL is in the reward)
+    kl_estimator: str = "k3"  # a KL_ESTIMATORS name
+    kl_ratio_correction: bool = False  # multiply the KL estimate by pi / pi_old (see above)
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+
+    @classmethod
+    def from_algo(cls, algo) -> "LossSpec":
+        """The loss `algo` (an AlgoConfig) trains with; with `kl_in_reward` the KL is in the reward, not the loss."""
+        return cls(
+            policy_loss=algo.policy_loss,
+            params=LossParams(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+                              seq_clip_low=algo.gspo_clip_low, seq_clip_high=algo.gspo_clip_high),
+            kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
+            kl_ratio_correction=algo.kl_ratio_correction, entropy_coef=algo.entropy_coef, tis_cap=algo.tis_cap,
+        )
+
+
+def _needed(value: Tensor | None, name: str, why: str) -> Tensor:
+    if value is None:
+        raise ValueError(f"token_loss: {name} is None, but {why}; pass it (or turn that term off in the spec)")
+    return value
+
+
+def _registered(table: dict, name: str, field: str) -> Callable:
+    if name not in table:
+        raise ValueError(f"LossSpec.{field}: {name!r} is not registered; choose one of: {', '.join(sorted(table))}")
+    return table[name]
+
+
+def token_loss(spec: LossSpec, logp: Tensor, advantages: Tensor, mask: Tensor, *, old_logp: Tensor | None = None,
+               sampler_logp: Tensor | None = None, ref_logp: Tensor | None = None, entropy: Tensor | None = None
+               ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss [B,T] = policy loss x TIS weight + KL term + entropy term; and per-token metrics [B,T]
+    ("clip_frac", "ratio", "dual_clip_frac" when dual clip is on, "tis_capped" when tis_cap is set, "kl" when the KL
+    term is on: the per-token KL estimate the loss weighs by kl_coef), each NOT yet masked-summed: the caller sums
+    (m * mask) for each key. old_logp None = on-policy: the update's own forward, detached (logp.detach()), is the
+    old policy. Aggregate the loss with an AGGREGATIONS function.
+    """
+    loss_fn = _registered(POLICY_LOSSES, spec.policy_loss, "policy_loss")
+    old = logp.detach() if old_logp is None else old_logp
+    loss, metrics = loss_fn(logp, old, advantages, mask, spec.params)
+    if spec.tis_cap is not None:
+        w, metrics["tis_capped"] = tis_weights(old, _needed(sampler_logp, "sampler_logp", "tis_cap is set"), mask,
+                                               spec.tis_cap)
+        loss = loss * w
+    if spec.kl_coef > 0:
+        kl_fn = _registered(KL_ESTIMATORS, spec.kl_estimator, "kl_estimator")
+        kl = kl_fn(logp, _needed(ref_logp, "ref_logp", "kl_coef > 0"))
+        if spec.kl_ratio_correction:
+            kl = kl * torch.exp((logp - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        loss = loss + kl_loss_term(kl, mask, spec.kl_coef)
+        metrics["kl"] = kl.detach()
+    if spec.entropy_coef > 0:
+        loss = loss + entropy_loss_term(_needed(entropy, "entropy", "entropy_coef > 0"), mask, spec.entropy_coef)
+    return loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------- DAPO sampling tricks

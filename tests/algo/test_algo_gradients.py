@@ -1,5 +1,6 @@
 """Gradient checks: a tiny float64 policy (a linear layer producing logits); the autograd gradient of every
-loss, through aggregation (with TIS weights, a KL term and an entropy bonus), matches finite differences."""
+loss, through aggregation (with TIS weights, a KL term and an entropy bonus), matches finite differences; and each
+KL estimator's expected gradient, with and without the ratio correction, matches its exact expectation's."""
 import pytest
 import torch
 
@@ -8,11 +9,13 @@ from tandem.algo import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
     LossParams,
+    LossSpec,
     aggregation_totals,
     entropy_from_logits,
     entropy_loss_term,
     kl_loss_term,
     tis_weights,
+    token_loss,
 )
 
 B, T, H, V, MAX_LEN = 4, 5, 3, 6, 8
@@ -122,12 +125,17 @@ def test_gspo_token_form_reproduces_the_sequence_objective(params, scale):
 
 
 @pytest.mark.parametrize("agg", sorted(AGGREGATIONS))
-def test_cispo_gradient_is_weighted_reinforce(agg):
-    """CISPO's gradient = gradient of sum_t sg(min(ratio, 1 + eps_high)) * A * logp_t, weights frozen at W0."""
-    params = LossParams(clip_high=0.1)
+@pytest.mark.parametrize("clip_low", [1.0, 0.2])  # the paper's upper bound only; verl's both bounds
+def test_cispo_gradient_is_weighted_reinforce(agg, clip_low):
+    """CISPO's gradient = gradient of sum_t sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp_t, weights frozen
+    at W0."""
+    params = LossParams(clip_low=clip_low, clip_high=0.1)
     old = _old(0.4)
     w_frozen = torch.exp(_logp_of(W0) - old).clamp(max=1.1)
     assert (w_frozen == 1.1).any() and (w_frozen < 1.1).any()  # both regimes exercised
+    if clip_low < 1:
+        assert (w_frozen < 1 - clip_low).any()  # the lower bound too
+        w_frozen = w_frozen.clamp(min=1 - clip_low)
 
     def cispo(w):
         loss, _ = POLICY_LOSSES["cispo"](policy(w)[1], old, ADV, MASK, params)
@@ -137,3 +145,53 @@ def test_cispo_gradient_is_weighted_reinforce(agg):
         return AGGREGATIONS[agg](-w_frozen * ADV[:, None] * policy(w)[1] * MASK, MASK, *TOTALS, MAX_LEN)
 
     torch.testing.assert_close(_autograd(cispo, W0), _central_diff(reference, W0), atol=1e-7, rtol=1e-5)
+
+
+# The KL term's gradient convention, exactly: on a small categorical pi = softmax(theta) sampled at theta_old, the
+# expected gradient of a token's KL term, sum_x pi_old(x) d/dtheta term(x) at theta = theta_old, against autograd of
+# an exact expectation. k3 alone (DeepSeekMath, verl) has E[grad k3] = grad KL(ref || pi), the forward KL; times the
+# ratio pi / pi_old (TRL's use_bias_correction_kl), E_old[grad (r k)] = grad E_pi[k], which for an unbiased
+# estimator (k1, k3) is grad KL(pi || ref), the reverse KL the penalty is named after.
+THETA = torch.tensor([0.3, -1.2, 0.8, 0.0, 2.1], dtype=torch.float64)
+REF_THETA = torch.tensor([0.9, -0.4, 0.1, 0.5, 1.0], dtype=torch.float64)
+
+
+def _forward_kl(theta):  # KL(ref || pi)
+    ref = torch.log_softmax(REF_THETA, -1)
+    return (ref.exp() * (ref - torch.log_softmax(theta, -1))).sum()
+
+
+def _reverse_kl(theta):  # KL(pi || ref)
+    logp = torch.log_softmax(theta, -1)
+    return (logp.exp() * (logp - torch.log_softmax(REF_THETA, -1))).sum()
+
+
+def _k2_expectation(theta):  # E_pi[k2]: not a KL
+    logp = torch.log_softmax(theta, -1)
+    return (logp.exp() * 0.5 * (logp - torch.log_softmax(REF_THETA, -1)) ** 2).sum()
+
+
+def _zero(theta):
+    return (theta * 0).sum()
+
+
+def _expected_kl_term_gradient(estimator: str, correction: bool) -> torch.Tensor:
+    theta = THETA.clone().requires_grad_(True)
+    logp = torch.log_softmax(theta, -1)[None]  # every category x as one "token" [1, V]
+    ref = torch.log_softmax(REF_THETA, -1)[None]
+    spec = LossSpec(kl_coef=1.0, kl_estimator=estimator, kl_ratio_correction=correction)
+    zero_adv = torch.zeros(1, dtype=torch.float64)  # the policy loss then adds nothing, value or gradient
+    term, _ = token_loss(spec, logp, zero_adv, torch.ones_like(logp), ref_logp=ref)  # old_logp None: theta = theta_old
+    (g,) = torch.autograd.grad((logp.detach().exp() * term).sum(), theta)
+    return g
+
+
+@pytest.mark.parametrize("estimator, correction, exact", [
+    ("k3", False, _forward_kl), ("k3", True, _reverse_kl),
+    ("k1", False, _zero), ("k1", True, _reverse_kl),
+    ("k2", False, _reverse_kl), ("k2", True, _k2_expectation),
+])
+def test_kl_term_gradient_convention(estimator, correction, exact):
+    want = _autograd(exact, THETA)
+    assert exact is _zero or want.abs().max() > 1e-2  # a gradient worth comparing
+    torch.testing.assert_close(_expected_kl_term_gradient(estimator, correction), want, atol=1e-8, rtol=0)

@@ -49,8 +49,8 @@ def ref_gspo(logp, old, adv, mask, p: LossParams):
 
 
 def ref_cispo(logp, old, adv, mask, p: LossParams):
-    return [[-min(math.exp(_clamp(logp[i][t] - old[i][t], -20, 20)), 1 + p.clip_high) * adv[i] * mask[i][t]
-             for t in range(T)] for i in range(B)]
+    return [[-_clamp(math.exp(_clamp(logp[i][t] - old[i][t], -20, 20)), 1 - p.clip_low, 1 + p.clip_high) * adv[i]
+             * mask[i][t] for t in range(T)] for i in range(B)]
 
 
 CASES = [
@@ -59,7 +59,8 @@ CASES = [
     ("clip", ref_clip, LossParams(dual_clip=1.5)),
     ("gspo", ref_gspo, LossParams()),
     ("gspo", ref_gspo, LossParams(seq_clip_low=0.1, seq_clip_high=0.2)),
-    ("cispo", ref_cispo, LossParams(clip_high=0.3)),
+    ("cispo", ref_cispo, LossParams(clip_low=1.0, clip_high=0.3)),  # the paper's upper bound only
+    ("cispo", ref_cispo, LossParams(clip_low=0.2, clip_high=0.3)),  # verl's: both bounds
 ]
 
 
@@ -146,3 +147,25 @@ def test_entropy_and_terms():
     mask = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(entropy_loss_term(h, mask, 0.01), torch.tensor([[-0.01 * math.log(4), 0.0]], dtype=torch.float64))
     torch.testing.assert_close(kl_loss_term(torch.tensor([[2.0, 5.0]]), mask.float(), 0.1), torch.tensor([[0.2, 0.0]]))
+
+
+def test_cispo_applies_clip_low():
+    """The weight is clamp(ratio, 1 - clip_low, 1 + clip_high): a ratio of 0.5 weighs 0.8 under clip_low 0.2, and
+    0.5 itself with clip_low >= 1 (no lower bound, as in the paper); either bound counts as clipped."""
+    logp, old, mask = torch.log(torch.tensor([[0.5, 1.0, 2.0]])), torch.zeros(1, 3), torch.ones(1, 3)
+    loss, m = POLICY_LOSSES["cispo"](logp, old, torch.tensor([1.0]), mask, LossParams(clip_low=0.2, clip_high=0.28))
+    torch.testing.assert_close(loss, -torch.tensor([[0.8, 1.0, 1.28]]))
+    assert m["clip_frac"].tolist() == [[1.0, 0.0, 1.0]]
+    loss, m = POLICY_LOSSES["cispo"](logp, old, torch.tensor([1.0]), mask, LossParams(clip_low=10.0, clip_high=0.28))
+    torch.testing.assert_close(loss, -torch.tensor([[0.5, 1.0, 1.28]]))
+    assert m["clip_frac"].tolist() == [[0.0, 0.0, 1.0]]
+
+
+def test_clip_low_of_one_or_more_means_no_lower_bound():
+    from tandem.config import AlgoConfig
+
+    assert AlgoConfig(clip_low=10.0).clip_low == 10.0  # verl's CISPO example: off
+    logp, old, mask = torch.log(torch.tensor([[0.1]])), torch.zeros(1, 1), torch.ones(1, 1)
+    loss, m = POLICY_LOSSES["clip"](logp, old, torch.tensor([-1.0]), mask, LossParams(clip_low=1.0))
+    torch.testing.assert_close(loss, torch.tensor([[0.1]]))  # -min(0.1 * -1, clamp(0.1, 0, 1.2) * -1)
+    assert m["clip_frac"].tolist() == [[0.0]]

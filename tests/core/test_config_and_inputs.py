@@ -50,7 +50,12 @@ def test_bad_value_names_field_and_value():
     (["batch.micro_batch_tokens=100", "data.max_prompt_tokens=64", "rollout.max_new_tokens=64"],
      r"batch\.micro_batch_tokens: 100 cannot hold one sequence .* at least 128"),
     (["batch.group_size=1"], r"batch\.group_size: 1 leaves every GRPO advantage at 0"),
+    (["batch.group_size=1", "algo.advantage=reinforce_pp_baseline"], r"batch\.group_size: 1 leaves every GRPO "
+     r"advantage at 0 .*or algo\.advantage: reinforce_pp"),
     (["algo.advantage=grpp"], r"algo\.advantage: 'grpp' is not registered; did you mean 'grpo'"),
+    (["algo.kl_ratio_correction=true"], r"algo\.kl_ratio_correction: true needs a KL term in the loss .*kl_coef > 0"),
+    (["algo.kl_ratio_correction=true", "algo.kl_coef=0.1", "algo.kl_in_reward=true"],
+     r"algo\.kl_ratio_correction: true needs a KL term in the loss .*kl_in_reward: false"),
     (["data.task=gsm8k"], r"data\.path: empty"),
     (["placement.workers=2"], r"placement\.workers: 2 needs placement\.backend: ray"),
     (["placement.mode=split"], r"placement\.mode: split needs placement\.backend: ray"),
