@@ -7,6 +7,7 @@ the README's config reference is generated (`tandem config --doc`).
 from __future__ import annotations
 
 import difflib
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 class ConfigError(ValueError):
     """A config that cannot run. The message names the field, the bad value and the fix."""
+
+
+class OldLogprobs(str, Enum):
+    """Where the clipped ratio's old-policy logprobs come from; decided once from the config (`Config.old_logprobs`)."""
+
+    CURRENT = "current"  # the update's own forward, detached: one update on fresh samples (mu 1, one mini-batch)
+    RECOMPUTED = "recomputed"  # a forward before the update: several updates, KL in the reward, or TIS under async
+    SAMPLER = "sampler"  # the sampler's own logprobs: stale samples (async) without TIS, the behaviour policy
 
 
 class Section(BaseModel):
@@ -381,6 +390,16 @@ class Config(Section):
             raise ConfigError(f"algo.kl_ratio_correction: true needs a KL term in the loss ({why}), else it does "
                               "nothing; set algo.kl_coef > 0 with algo.kl_in_reward: false, or drop it")
         return self
+    @property
+    def old_logprobs(self) -> OldLogprobs:
+        """The old-logprob source this config trains with (see OldLogprobs)."""
+        a = self.algo
+        if self.placement.schedule == "async":
+            return OldLogprobs.RECOMPUTED if a.tis_cap is not None else OldLogprobs.SAMPLER
+        if a.mu == 1 and self.batch.mini_batches == 1 and not a.kl_in_reward:
+            return OldLogprobs.CURRENT
+        return OldLogprobs.RECOMPUTED
+
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
