@@ -32,15 +32,19 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = Field("run", description="Run name; used in logs and as the TensorBoard run label.")
+    name: str = Field(
+        "run", description="Run name, kept with the config in each checkpoint's trainer state. Nothing else reads "
+        "it: TensorBoard names a run by its folder (output_dir/tensorboard).",
+    )
     output_dir: str = Field(
         "runs/run", description="Where metrics, TensorBoard events, plots and checkpoints go."
     )
     seed: int = Field(0, description="Seeds data order, sampling and initialization. Same seed, same metrics (CPU).")
     steps: int = Field(100, ge=1, description="GRPO steps to run (one step = one batch of prompts sampled and trained on).")
     threads: int = Field(
-        1, ge=0, description="torch threads per process; 0 leaves torch's default. One thread is as fast as two "
-        "for tiny models on a shared 2-core machine and far steadier.",
+        1, ge=0, description="torch threads of this process, the worker's too with the local backend (Ray workers "
+        "take placement.cpus_per_worker); 0 = torch's default. One thread is as fast as two for tiny models on a "
+        "shared 2-core machine and far steadier.",
     )
     save_every: int = Field(50, ge=0, description="Write a checkpoint every N steps (and at the end); 0 = only at the end.")
     keep_checkpoints: int = Field(2, ge=1, description="How many most recent checkpoints to keep.")
@@ -76,7 +80,11 @@ class DataConfig(Section):
         "`path` with `prompt_field` and `answer_field`.",
     )
     path: str = Field("", description="Training data: a .jsonl/.parquet file or a `datasets` folder (for gsm8k: train.jsonl).")
-    eval_path: str = Field("", description="Held-out data in the same format; empty = the task's own held-out split.")
+    eval_path: str = Field(
+        "", description="Held-out data in the same format (for gsm8k: test.jsonl). Empty: the arithmetic task's own "
+        "held-out split; for gsm8k and jsonl the first eval_size training prompts, with a warning, since no "
+        "held-out split is known there: scores on them measure memorization as much as skill.",
+    )
     prompt_field: str = Field(
         "question", description="Row field holding the prompt: text, or chat messages (a list of `{role, content}`) "
         "that are rendered with the tokenizer's chat template whatever `chat_template` says.",
@@ -111,13 +119,30 @@ class VLLMConfig(Section):
     )
     python: str = Field("", description="Interpreter that has vLLM, for the server (e.g. .venv-vllm/bin/python); empty = this one.")
     max_model_len: int = Field(0, ge=0, description="Prompt + completion token limit; 0 = the model's max_position_embeddings.")
-    kv_cache_mb: int = Field(1024, ge=1, description="KV-cache budget. Needed on CPU, where vLLM would otherwise take ~92% of RAM.")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU share for vLLM when colocated with training.")
+    kv_cache_mb: int = Field(
+        1024, ge=1, description="KV-cache size of each engine rank, on every device (vLLM's kv_cache_memory_bytes: "
+        "the cache is then sized by this, not by gpu_memory_utilization). 1 GiB holds the demo's batches many times; "
+        "on CPU a budget is needed, or vLLM would take ~92% of RAM.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="The GPU share vLLM requires free when it starts (colocated with training, "
+        "the policy's share is what is left). The KV cache is kv_cache_mb whatever this says.",
+    )
     enable_sleep: bool = Field(True, description="GPU: free weights/KV while training (vLLM sleep mode). CPU: a logged no-op.")
-    sleep_level: Literal[1, 2] = Field(1, description="1: weights offloaded to host; 2: weights discarded (a weight sync must follow wake).")
+    sleep_level: Literal[1, 2] = Field(
+        1, description="1: weights offloaded to host; 2: weights discarded (a weight sync must follow wake). The "
+        "in-process engine only: a server sleeps at level 1.",
+    )
     enable_prefix_caching: bool = Field(True, description="Share prompt KV across a group's samples; reset after every weight update.")
-    max_num_seqs: int = Field(0, ge=0, description="Sequences decoded together; 0 = prompts_per_step x group_size.")
-    max_num_batched_tokens: int = Field(0, ge=0, description="Tokens per engine step; 0 = max(rows, 4096).")
+    max_num_seqs: int = Field(
+        0, ge=0, description="Sequences decoded together; 0 = prompts_per_step x group_size (a whole step at once). "
+        "The in-process engine only: a server keeps vLLM's default.",
+    )
+    max_num_batched_tokens: int = Field(
+        0, ge=0, description="Tokens per engine step; 0 = vLLM's default for the device (vLLM 0.32, in-process: "
+        "4096 per rank on CPU; on a GPU 8192, or 16384 from 70 GB of memory, A100s excepted). The in-process engine "
+        "only: a server keeps vLLM's default.",
+    )
 
 
 class RolloutConfig(Section):
@@ -319,12 +344,14 @@ class PlacementConfig(Section):
     rollout_workers: int = Field(1, ge=1, description="split: sampler instances (data parallel; prompts are balanced by expected tokens).")
     schedule: Literal["sync", "async"] = Field(
         "sync", description="`sync`: sample, then train, each step. `async` (split only): the samplers generate the "
-        "next batches while the trainers train, at most `max_staleness` policy versions behind; the loss uses the "
-        "sampler's logprobs as the behaviour policy (importance ratio, clipped).",
+        "next batches while the trainers train, at most `max_staleness` policy versions behind; the loss corrects "
+        "for it with the sampler's logprobs: they are the clipped ratio's old policy, or with algo.tis_cap the "
+        "trainer recomputes that one and the truncated weight pi_old / pi_sampler corrects the staleness.",
     )
     max_staleness: int = Field(
-        1, ge=1, description="async: the most policy versions a trained batch may lag the trainer; older batches are "
-        "dropped, never trained on. Also the number of batches sampled ahead.",
+        1, ge=1, description="async: how many batches the samplers work ahead of the one being trained, and so the "
+        "most policy versions a trained batch lags the trainer (the schedule never goes further; a batch older than "
+        "this would stop the run with an error, never be trained on).",
     )
     offload: bool | Literal["auto"] = Field(
         "auto", description="Colocated workers move the idle side off the compute device bucket by bucket: policy "
