@@ -391,6 +391,16 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
+    @property
+    def old_logprobs(self) -> OldLogprobs:
+        """The old-logprob source this config trains with (see OldLogprobs)."""
+        a = self.algo
+        if self.placement.schedule == "async":
+            return OldLogprobs.RECOMPUTED if a.tis_cap is not None else OldLogprobs.SAMPLER
+        if a.mu == 1 and self.batch.mini_batches == 1 and not a.kl_in_reward:
+            return OldLogprobs.CURRENT
+        return OldLogprobs.RECOMPUTED
+
     @model_validator(mode="after")
     def _algo_checks(self) -> "Config":
         """The algorithm's settings: registered names, and combinations that would train on nothing or ignore a
@@ -417,16 +427,6 @@ class Config(Section):
             raise ConfigError(f"algo.kl_ratio_correction: true needs a KL term in the loss ({why}), else it does "
                               "nothing; set algo.kl_coef > 0 with algo.kl_in_reward: false, or drop it")
         return self
-    @property
-    def old_logprobs(self) -> OldLogprobs:
-        """The old-logprob source this config trains with (see OldLogprobs)."""
-        a = self.algo
-        if self.placement.schedule == "async":
-            return OldLogprobs.RECOMPUTED if a.tis_cap is not None else OldLogprobs.SAMPLER
-        if a.mu == 1 and self.batch.mini_batches == 1 and not a.kl_in_reward:
-            return OldLogprobs.CURRENT
-        return OldLogprobs.RECOMPUTED
-
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
