@@ -35,8 +35,10 @@ class Move:
     nbytes: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
+    """What moves where, and its byte counts: a value, never changed after `plan` (the executor that runs it,
+    `tandem.sync.reshard.Resharder`, keeps its own state)."""
     moves: list[Move]  # execution order: parameter by parameter, so a streamed parameter completes early
     # name -> (global shape, source dtype, destination dtype); sends travel in the source dtype
     params: dict[str, tuple[tuple[int, ...], torch.dtype, torch.dtype]]
@@ -46,7 +48,6 @@ class Plan:
     lower_bound: int = 0  # bytes each destination needs and does not hold, summed
     sent: dict[int, int] = field(default_factory=dict)  # bytes each source rank sends
     received: dict[int, int] = field(default_factory=dict)
-    cache: dict = field(default_factory=dict, repr=False, compare=False)  # the executor's rounds, per bucket size
 
     @property
     def ranks(self) -> set[int]:
@@ -89,20 +90,23 @@ def plan(src: ModelLayout, dst: ModelLayout) -> Plan:
     remote cell goes to the holder with the fewest bytes sent so far (ties: the holder after the destination in
     rank order, to spread equal loads): with R replicas holding the same cells, no sender exceeds the even
     share by more than one cell; in general this is greedy list scheduling (within 2x of the best balance)."""
-    out = Plan([], {}, {})
+    moves: list[Move] = []
+    params: dict[str, tuple[tuple[int, ...], torch.dtype, torch.dtype]] = {}
+    dst_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
     load: dict[int, int] = defaultdict(int)
+    lower_bound = 0
     for name, d in dst.items():
         if name not in src:
             raise KeyError(f"{name} is in the destination layout but no source holds it")
         s = src[name]
         if tuple(s.shape) != tuple(d.shape):
             raise ValueError(f"{name}: source shape {s.shape} != destination shape {d.shape}")
-        out.params[name] = (tuple(d.shape), s.dtype, d.dtype)
+        params[name] = (tuple(d.shape), s.dtype, d.dtype)
         item = s.dtype.itemsize
         holders = [(r, p) for r, shard in sorted(s.shards.items()) for p in shard.pieces]
         width = max([r for r, _ in holders] + list(d.shards)) + 1
         for r, shard in sorted(d.shards.items()):
-            out.dst_shapes.setdefault(r, {})[name] = shard.shape
+            dst_shapes.setdefault(r, {})[name] = shard.shape
             for dp in shard.pieces:
                 remaining = [dp.box]
                 own = s.shards.get(r)
@@ -113,8 +117,7 @@ def plan(src: ModelLayout, dst: ModelLayout) -> Plan:
                         if cut is None:
                             nxt.append(b)
                             continue
-                        out.moves.append(Move(name, r, r, cut, sp, dp, numel(cut) * item))
-                        out.local_bytes += numel(cut) * item
+                        moves.append(Move(name, r, r, cut, sp, dp, numel(cut) * item))
                         nxt += subtract(b, cut)
                     remaining = nxt
                 for b in remaining:
@@ -128,14 +131,17 @@ def plan(src: ModelLayout, dst: ModelLayout) -> Plan:
                         load[q] += numel(cell) * item
                         chosen[(q, p)].append(cell)
                     for (q, p), cells in chosen.items():
-                        for box in _merge(cells):
-                            nbytes = numel(box) * item
-                            out.moves.append(Move(name, q, r, box, p, dp, nbytes))
-                            out.bytes_moved += nbytes
-                            out.sent[q] = out.sent.get(q, 0) + nbytes
-                            out.received[r] = out.received.get(r, 0) + nbytes
-                    out.lower_bound += numel(b) * item
-    return out
+                        moves += [Move(name, q, r, box, p, dp, numel(box) * item) for box in _merge(cells)]
+                    lower_bound += numel(b) * item
+    sent: dict[int, int] = defaultdict(int)
+    received: dict[int, int] = defaultdict(int)
+    for m in moves:
+        if m.src != m.dst:
+            sent[m.src] += m.nbytes
+            received[m.dst] += m.nbytes
+    return Plan(moves, params, dst_shapes, bytes_moved=sum(sent.values()),
+                local_bytes=sum(m.nbytes for m in moves if m.src == m.dst), lower_bound=lower_bound,
+                sent=dict(sent), received=dict(received))
 
 
 def plan_to_replicas(src: ModelLayout, ranks: Iterable[int]) -> Plan:

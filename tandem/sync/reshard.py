@@ -7,7 +7,7 @@ import os
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -242,90 +242,117 @@ def _to_local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.Tensor],
-                 group: dist.ProcessGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET,
-                 out: Mapping[str, torch.Tensor] | None = None, device: torch.device | str | None = None,
-                 shared_memory: bool = True, channel=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Run `plan` on this rank (`rank` in `group`; None: ask the group), yielding lists of (name, tensor) as this
-    rank's destination tensors complete, in plan order. Every rank of the plan must drive its iterator to the end.
-    Extra memory per rank: one send plus one receive staging buffer, together at most `bucket_bytes`.
+class Resharder:
+    """Runs one `Plan` on one rank, again at every weight sync. The plan stays a value; what running it needs is
+    worked out on the first run and kept here for the next: the plan cut into rounds in which each rank sends plus
+    receives at most `bucket_bytes` (the staging buffer's bound: extra memory per rank is one buffer of at most
+    that), the shared-memory segments (a handshake: every rank of the plan makes its first run at the same point)
+    and this rank's part of every round.
 
-    src_tensors: this rank's local tensors as laid out in the plan's source (DTensors are read locally).
-    out: preallocated destination tensors to fill in place (others are allocated when their first bytes land).
-    device: where new destination tensors and staging live (default: the device of the source tensors, else CPU;
-    a rank that only receives, e.g. a sampler on a GPU, names it). ranks are ranks in `group`; without a process
-    group the plan must have no remote moves (one process).
-    shared_memory: pairs of processes on one host with CPU tensors exchange through a shared-memory segment
-    (the sender writes each slice once, the receiver copies it out; a p2p note says when) instead of gloo's TCP
-    loopback; False keeps every pair on p2p. Set up on the first call with a plan, then reused; every rank of the
-    plan must pass the same value (the setup is a handshake).
+    rank: this rank in `group` (None: ask the group, or the channel). Without a process group the plan must have
+    no remote moves (one process). device: where new destination tensors and staging live (default: the device of
+    the source tensors, else CPU; a rank that only receives, e.g. a sampler on a GPU, names it).
+    shared_memory: pairs of processes on one host with CPU tensors exchange through a shared-memory segment (the
+    sender writes each slice once, the receiver copies it out; a p2p note says when) instead of gloo's TCP
+    loopback; False keeps every pair on p2p. Every rank of the plan must pass the same value.
     channel: a `tandem.sync.channel.WeightChannel` to carry the plan instead of `group` (ranks are the channel's;
     every wait has its transfer timeout): the processes need no common torch.distributed world."""
-    transport = channel if channel is not None else _TorchGroup(group)
-    if rank is None:
-        rank = channel.rank if channel is not None else dist.get_rank(group)
-    # detach: parameters may require grad; the copies here are not part of any graph (out= still aliases them)
-    src_tensors = {k: _to_local(v).detach() for k, v in src_tensors.items()}
-    out = {k: _to_local(v).detach() for k, v in (out or {}).items()}
-    if device is None:
-        device = next(iter(src_tensors.values())).device if src_tensors else torch.device("cpu")
-    mine = plan.dst_shapes.get(rank, {})
-    for name, shape in mine.items():
-        if name in out and tuple(out[name].shape) != tuple(shape):
-            raise ValueError(f"out[{name!r}] has shape {tuple(out[name].shape)}, the plan needs {shape}")
-    if ("rank", rank) not in plan.cache:  # the names this rank sends, and the elements each destination awaits
-        arriving = {name: 0 for name in mine}
-        for m in plan.moves:
-            if m.dst == rank:
-                arriving[m.name] += numel(m.box)
-        plan.cache[("rank", rank)] = ({m.name for m in plan.moves if m.src == rank}, arriving)
-    sends, arriving = plan.cache[("rank", rank)]
-    for name in sends:
-        if name not in src_tensors:
-            raise KeyError(f"rank {rank} holds source {name!r} in the plan but was not given it")
-    waiting = dict(arriving)  # destination elements still to arrive, per tensor
-    done: list[tuple[str, torch.Tensor]] = []
 
-    def dest(name: str) -> torch.Tensor:
-        if name not in out:
-            out[name] = torch.empty(mine[name], dtype=plan.params[name][2], device=device)
-        return out[name]
+    def __init__(self, plan: Plan, rank: int | None = None, group: dist.ProcessGroup | None = None, *,
+                 bucket_bytes: int = DEFAULT_BUCKET, device: torch.device | str | None = None,
+                 shared_memory: bool = True, channel=None) -> None:
+        self.plan = plan
+        self.transport = channel if channel is not None else _TorchGroup(group)
+        self.rank = rank if rank is not None else channel.rank if channel is not None else dist.get_rank(group)
+        self.bucket_bytes, self.device, self.shared_memory = bucket_bytes, device, shared_memory
+        self.shared: _Shared | None = None  # this rank's segments once the first run set them up; None: p2p only
+        self._steps: list[_RankRound] | None = None  # this rank's part of every round, from the first run on
+        self._sends: set[str] | None = None  # the source tensors this rank sends
+        self._arriving: dict[str, int] = {}  # destination elements each of this rank's tensors awaits
 
-    def landed(name: str, count: int) -> None:
-        waiting[name] -= count
-        if waiting[name] == 0:
-            done.append((name, dest(name)))
+    def run(self, src_tensors: Mapping[str, torch.Tensor],
+            out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Run the plan and return this rank's destination tensors (name -> tensor); see `stream`."""
+        result: dict[str, torch.Tensor] = {}
+        for batch in self.stream(src_tensors, out):
+            result.update(batch)
+        return result
 
-    for name in [n for n, w in waiting.items() if w == 0]:  # empty shards are complete from the start
-        done.append((name, dest(name)))
+    def stream(self, src_tensors: Mapping[str, torch.Tensor],
+               out: Mapping[str, torch.Tensor] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Run the plan, yielding lists of (name, tensor) as this rank's destination tensors complete, in plan
+        order. Every rank of the plan must drive its iterator to the end.
 
-    if bucket_bytes not in plan.cache:  # a plan is reused every step: cut it into rounds once
-        plan.cache[bucket_bytes] = rounds(plan, bucket_bytes)
-    all_rounds = plan.cache[bucket_bytes]
-    # CPU tensors only (gloo): an accelerator's group (NCCL) cannot carry the handshake's host tensors
-    shared_memory = shared_memory and torch.device(device).type == "cpu"
-    key = ("shared", bucket_bytes, rank)
-    if shared_memory and key not in plan.cache:
-        plan.cache[key] = _share(all_rounds, rank, transport, torch.device(device))
-    shared = plan.cache[key] if shared_memory else _Shared(None, {}, set(), [])
-    key = ("steps", bucket_bytes, rank, shared_memory)
-    if key not in plan.cache:
-        plan.cache[key] = _rank_rounds(all_rounds, rank, shared)
-    # reused by every round: faulting in fresh pages costs about as much as the copy itself
-    stage = torch.empty(0, dtype=torch.uint8, device=device)
-    for rr in plan.cache[key]:
-        # p2p: one message per move. A contiguous source view is sent as is and a contiguous destination view of
-        # the same dtype receives in place; only the rest go through the staging buffer, packed before and
-        # unpacked after. Shared memory: the sender writes its slices into its segment and sends a "written" note;
-        # the receiver copies them out and answers "read", after which the sender may reuse the segment.
+        src_tensors: this rank's local tensors as laid out in the plan's source (DTensors are read locally).
+        out: preallocated destination tensors to fill in place (others are allocated when their first bytes land)."""
+        plan, rank = self.plan, self.rank
+        # detach: parameters may require grad; the copies here are not part of any graph (out= still aliases them)
+        src = {k: _to_local(v).detach() for k, v in src_tensors.items()}
+        out = {k: _to_local(v).detach() for k, v in (out or {}).items()}
+        device = self.device if self.device is not None else next(iter(src.values())).device if src else "cpu"
+        mine = plan.dst_shapes.get(rank, {})
+        for name, shape in mine.items():
+            if name in out and tuple(out[name].shape) != tuple(shape):
+                raise ValueError(f"out[{name!r}] has shape {tuple(out[name].shape)}, the plan needs {shape}")
+        for name in self._sent_names():
+            if name not in src:
+                raise KeyError(f"rank {rank} holds source {name!r} in the plan but was not given it")
+        waiting = dict(self._arriving)  # destination elements still to arrive, per tensor
+
+        def dest(name: str) -> torch.Tensor:
+            if name not in out:
+                out[name] = torch.empty(mine[name], dtype=plan.params[name][2], device=device)
+            return out[name]
+
+        done = [(name, dest(name)) for name, w in waiting.items() if w == 0]  # empty shards: complete at once
+        # reused by every round: faulting in fresh pages costs about as much as the copy itself
+        stage = torch.empty(0, dtype=torch.uint8, device=device)
+        for rr in self._steps if self._steps is not None else self._set_up(torch.device(device)):
+            stage = self._round(rr, src, dest, stage, device)
+            for name, count in rr.landed:
+                waiting[name] -= count
+                if waiting[name] == 0:
+                    done.append((name, dest(name)))
+            if done:
+                yield done
+                done = []
+        if done:
+            yield done
+
+    def _sent_names(self) -> set[str]:
+        """The names this rank sends; with them, the elements each of its destination tensors awaits."""
+        if self._sends is None:
+            self._arriving = {name: 0 for name in self.plan.dst_shapes.get(self.rank, {})}
+            for m in self.plan.moves:
+                if m.dst == self.rank:
+                    self._arriving[m.name] += numel(m.box)
+            self._sends = {m.name for m in self.plan.moves if m.src == self.rank}
+        return self._sends
+
+    def _set_up(self, device: torch.device) -> list[_RankRound]:
+        """The first run's setup: the rounds, the shared memory (a handshake with the peers), this rank's steps."""
+        all_rounds = rounds(self.plan, self.bucket_bytes)
+        # CPU tensors only (gloo): an accelerator's group (NCCL) cannot carry the handshake's host tensors
+        if self.shared_memory and device.type == "cpu":
+            self.shared = _share(all_rounds, self.rank, self.transport, device)
+        self._steps = _rank_rounds(all_rounds, self.rank, self.shared or _Shared(None, {}, set(), []))
+        return self._steps
+
+    def _round(self, rr: _RankRound, src: dict[str, torch.Tensor], dest: Callable[[str], torch.Tensor],
+               stage: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+        """One round on this rank; returns the staging buffer for the next.
+
+        p2p: one message per move. A contiguous source view is sent as is and a contiguous destination view of the
+        same dtype receives in place; only the rest go through the staging buffer, packed before and unpacked
+        after. Shared memory: the sender writes its slices into its segment and sends a "written" note; the
+        receiver copies them out and answers "read", after which the sender may reuse the segment."""
+        params = self.plan.params  # name -> (shape, source dtype, destination dtype); sends travel in the source's
         ours: list[tuple[Move, int, torch.Tensor, bool, bool]] = []  # (move, tag, view, as is, this rank sends)
         for m, tag, cut, sending in rr.p2p:
-            view = cut(src_tensors[m.name] if sending else dest(m.name))
-            direct = view.is_contiguous() and (sending or view.dtype == plan.params[m.name][1])
-            ours.append((m, tag, view, direct, sending))
+            view = cut(src[m.name] if sending else dest(m.name))
+            ours.append((m, tag, view, view.is_contiguous() and (sending or view.dtype == params[m.name][1]), sending))
         for m, off, cut in rr.writes:
-            seg = shared.mine[off:off + m.nbytes].view(plan.params[m.name][1]).view(extents(m.box))
-            seg.copy_(cut(src_tensors[m.name]))
+            self.shared.mine[off:off + m.nbytes].view(params[m.name][1]).view(extents(m.box)).copy_(cut(src[m.name]))
         need = sum(_aligned(m.nbytes) for m, _, _, direct, _ in ours if not direct)  # <= bucket_bytes by the rounds
         if need > stage.numel():
             stage = torch.empty(0, dtype=torch.uint8, device=device)  # free the old one first: never two at once
@@ -337,7 +364,7 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
             else:
                 payload = stage[used:used + m.nbytes]
                 used += _aligned(m.nbytes)
-                typed = payload.view(plan.params[m.name][1]).view(extents(m.box))
+                typed = payload.view(params[m.name][1]).view(extents(m.box))
                 if sending:
                     typed.copy_(view)
                 else:
@@ -346,32 +373,22 @@ def reshard_iter(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.T
         note = torch.zeros(1, dtype=torch.uint8)
         ops += [(True, note, d, _TAG_WRITTEN) for d in rr.notes_out]
         ops += [(False, torch.zeros(1, dtype=torch.uint8), s, _TAG_WRITTEN) for s in rr.notes_in]
-        pending = transport.start(ops)
+        pending = self.transport.start(ops)
         for name, src_cut, dst_cut in rr.local:  # local copies, while the peers' bytes are on their way
-            dst_cut(dest(name)).copy_(src_cut(src_tensors[name]))
-        transport.wait(pending)
+            dst_cut(dest(name)).copy_(src_cut(src[name]))
+        self.transport.wait(pending)
         for view, typed in unpack:
             view.copy_(typed)
         for m, off, cut in rr.reads:
-            cut(dest(m.name)).copy_(shared.peers[m.src][off:off + m.nbytes].view(plan.params[m.name][1])
+            cut(dest(m.name)).copy_(self.shared.peers[m.src][off:off + m.nbytes].view(params[m.name][1])
                                     .view(extents(m.box)))
-        _p2p(transport, [(True, note, s, _TAG_READ) for s in rr.notes_in]
+        _p2p(self.transport, [(True, note, s, _TAG_READ) for s in rr.notes_in]
              + [(False, torch.zeros(1, dtype=torch.uint8), d, _TAG_READ) for d in rr.notes_out])
-        for name, count in rr.landed:
-            landed(name, count)
-        if done:
-            yield done
-            done = []
-    if done:
-        yield done
+        return stage
 
 
 def reshard(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.Tensor],
-            group: dist.ProcessGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET,
-            out: Mapping[str, torch.Tensor] | None = None, device: torch.device | str | None = None,
-            shared_memory: bool = True, channel=None) -> dict[str, torch.Tensor]:
-    """Run `plan` and return this rank's destination tensors (name -> tensor); see reshard_iter."""
-    result: dict[str, torch.Tensor] = {}
-    for batch in reshard_iter(plan, rank, src_tensors, group, bucket_bytes, out, device, shared_memory, channel):
-        result.update(batch)
-    return result
+            out: Mapping[str, torch.Tensor] | None = None, **options: Any) -> dict[str, torch.Tensor]:
+    """Run `plan` once and return this rank's destination tensors; `options` are `Resharder`'s. A plan run every
+    step keeps its `Resharder` instead, so that the setup (the rounds, the shared-memory handshake) is done once."""
+    return Resharder(plan, rank, **options).run(src_tensors, out)

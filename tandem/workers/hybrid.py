@@ -47,7 +47,7 @@ class HybridWorker(TrainWorker):
         self.version = 0
         self._resident: dict[str, int] = {}
         self._engine_awake = True
-        self._group_plan = None
+        self._resharder = None  # runs the engine sync's plan; made at the first sync, kept with its setup
 
     def _enter(self, phase: str) -> None:
         """Make the device hold exactly what `phase` needs (when offloading); record the bytes resident."""
@@ -95,16 +95,16 @@ class HybridWorker(TrainWorker):
         start = time.perf_counter()
         if self.mesh is None:
             return self._synced(start, push_weights(self.policy.named_weights(), self.engine)["bytes"])
-        from tandem.sync.reshard import reshard_iter
+        from tandem.sync.reshard import Resharder
 
-        if self._group_plan is None:  # the layouts never change during a run: plan once (every rank alike)
-            self._group_plan = self._plan_engine_sync()
+        if self._resharder is None:  # the layouts never change during a run: plan once (every rank alike)
+            self._resharder = Resharder(self._plan_engine_sync(), self.ctx.global_rank,
+                                        bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
         # straight into the engine's own weights where it allows that (hf); else through its load_weights
         inplace = self.engine.weights() if hasattr(self.engine, "weights") else None
-        for bucket in reshard_iter(self._group_plan, self.ctx.global_rank, self.local_weights(),
-                                   bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, out=inplace):
+        for bucket in self._resharder.stream(self.local_weights(), out=inplace):
             self.engine.load_weights(bucket)
-        return self._synced(start, self._group_plan.bytes_moved)
+        return self._synced(start, self._resharder.plan.bytes_moved)
 
     def _plan_engine_sync(self):
         """Trainer shards -> every engine: whole on each worker, or each engine TP rank its own slices only."""

@@ -5,7 +5,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +24,6 @@ class Generated:
     seconds: float = 0.0  # generating
     idle_seconds: float = 0.0  # the sampler waited for work before this call
     load_seconds: float = 0.0  # loading staged weights first (the only stop-the-world part of async sampling)
-    stats: dict = field(default_factory=dict)
 
 
 def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
@@ -74,6 +73,7 @@ class RolloutWorker:
         self._arrived = threading.Condition()  # guards _staged and _failed; notified when either is set
         self._failed: BaseException | None = None  # why a weight receive failed (the run is over then)
         self._plan = None
+        self._resharder = None  # runs _plan; made at the first receive and kept, with its setup, for the next
         self._last_end = time.perf_counter()
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Generated:
@@ -118,14 +118,16 @@ class RolloutWorker:
     def receive_weights(self, version: int) -> dict:
         """Take part in the trainers' weight send; stage the received full tensors for the next generate. Runs on
         the actor's side lane, so it receives while a generate works."""
-        from tandem.sync.reshard import reshard
+        from tandem.sync.reshard import Resharder
 
         start = time.perf_counter()
         try:
             self._channel.expect(version)  # the senders may still be training: no transfer timeout until then
             start = time.perf_counter()
-            out = reshard(self._plan, self.ctx.global_rank, {}, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20,
-                          device=self.ctx.device, channel=self._channel)  # a receive-only rank names the device
+            if self._resharder is None:  # a receive-only rank names the device
+                self._resharder = Resharder(self._plan, self.ctx.global_rank, device=self.ctx.device,
+                                            bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, channel=self._channel)
+            out = self._resharder.run({})
         except BaseException as exc:  # a generate waiting for these weights must not wait forever
             with self._arrived:
                 self._failed = exc

@@ -151,7 +151,11 @@ class TrainWorker:
         return layout_from_dtensors(self.local_weights())
 
     def set_sync_plan(self, plan) -> None:
-        self._plan = plan
+        """The trainers -> samplers plan, run over the weight channel (opened first) at every send."""
+        from tandem.sync.reshard import Resharder
+
+        self._resharder = Resharder(plan, self.ctx.global_rank, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20,
+                                    channel=self._channel)
 
     def open_weight_channel(self, address: tuple[str, int], size: int) -> None:
         """Join the trainers -> samplers weight channel (rank = global rank; global rank 0 hosts its store)."""
@@ -161,14 +165,11 @@ class TrainWorker:
                                       self.ctx.device)
 
     def send_weights(self, version: int) -> dict:
-        from tandem.sync.reshard import reshard
-
         start = time.perf_counter()
         if self.ctx.global_rank == 0:
-            self._channel.announce(version, sorted(self._plan.dst_shapes))
-        reshard(self._plan, self.ctx.global_rank, self.local_weights(),
-                bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, channel=self._channel)
-        return self._synced(start, self._plan.bytes_moved)
+            self._channel.announce(version, sorted(self._resharder.plan.dst_shapes))
+        self._resharder.run(self.local_weights())
+        return self._synced(start, self._resharder.plan.bytes_moved)
 
     def close(self) -> None:
         channel = getattr(self, "_channel", None)

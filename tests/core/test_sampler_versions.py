@@ -52,7 +52,7 @@ def test_generate_waits_for_the_version_asked_and_loads_it(tiny_model, tmp_path,
         sent.wait(30)
         return dict(new)
 
-    monkeypatch.setattr("tandem.sync.reshard.reshard", fake_reshard)
+    monkeypatch.setattr("tandem.sync.reshard.Resharder.run", fake_reshard)
     t, box = _in_thread(lambda: worker.generate(PROMPTS, SAMPLING, min_version=1))
     t.join(0.5)
     assert t.is_alive()  # version 1 has not arrived: no sampling with version 0's weights
@@ -75,7 +75,7 @@ def test_a_failed_receive_fails_the_generate_waiting_for_it(tiny_model, tmp_path
     def broken_reshard(*args, **kwargs):
         raise ConnectionError("Connection closed by peer")
 
-    monkeypatch.setattr("tandem.sync.reshard.reshard", broken_reshard)
+    monkeypatch.setattr("tandem.sync.reshard.Resharder.run", broken_reshard)
     t, box = _in_thread(lambda: worker.generate(PROMPTS, SAMPLING, min_version=1))
     with pytest.raises(ConnectionError):
         worker.receive_weights(1)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tandem.sync.layout import (Mesh, ModelLayout, Qwen2Shape, Spec, build_layout, layout_from_dtensors, local_tensor,
                                 replicated_layout)
 from tandem.sync.planner import assign_ranks, plan, renumber
-from tandem.sync.reshard import reshard, reshard_iter
+from tandem.sync.reshard import Resharder, reshard
 
 DENSE = Qwen2Shape(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48)
 DENSE_TP4 = Qwen2Shape(vocab=96, hidden=32, layers=2, heads=8, kv_heads=4, intermediate=48)
@@ -83,9 +83,10 @@ def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -
     out = None
     if opts.get("out"):
         out = {n: torch.zeros(s, dtype=dst[n].dtype) for n, s in p.dst_shapes.get(rank, {}).items()}
+    resharder = Resharder(p, rank, **kwargs)
     if opts.get("stream"):
         got, batches = {}, 0
-        for batch in reshard_iter(p, rank, mine, **kwargs):
+        for batch in resharder.stream(mine):
             batches += 1
             for name, t in batch:
                 if name in got:
@@ -94,10 +95,10 @@ def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -
         if rank in {r for pl in dst.values() for r in pl.shards} and batches < 2:
             return f"streaming yielded {batches} batch(es)"
     else:
-        got = reshard(p, rank, mine, out=out, **kwargs)
+        got = resharder.run(mine, out=out)
     want = {n: local_tensor(pl, rank, full[n]).to(pl.dtype) for n, pl in dst.items() if rank in pl.shards}
     mine_remote = {(m.src, m.dst) for m in p.moves if m.src != m.dst and rank in (m.src, m.dst)}
-    shared = p.cache.get(("shared", kwargs.get("bucket_bytes", 64 << 20), rank))
+    shared = resharder.shared
     if kwargs["shared_memory"] and (shared is None or shared.pairs != mine_remote):
         return f"shared memory not used by every remote pair of this rank: {shared and shared.pairs} vs {mine_remote}"
     if not kwargs["shared_memory"] and shared is not None:

@@ -173,7 +173,7 @@ def test_rounds_keep_each_rank_under_the_bucket():
 
 def test_executor_in_one_process_copies_locally():
     # One rank re-lays its own tensors (fused TP pieces on rank 0 -> a flat shard and a full copy): no process group.
-    from tandem.sync.reshard import reshard, reshard_iter
+    from tandem.sync.reshard import Resharder, reshard
 
     params = {"qkv": ((8, 3), torch.bfloat16), "b": ((5,), torch.bfloat16)}
     src = {"qkv": ParamLayout((8, 3), torch.bfloat16, {0: take(full_shard((8, 3)), 0, [(4, 8), (0, 4)])}),  # rows swapped
@@ -187,7 +187,7 @@ def test_executor_in_one_process_copies_locally():
     got = reshard(p, 0, mine, out=out)
     assert got["qkv"].data_ptr() == out["qkv"].data_ptr() and p.bytes_moved == 0
     assert all(torch.equal(got[n], local_tensor(dst[n], 0, full[n])) for n in params)
-    streamed = [name for batch in reshard_iter(p, 0, mine, bucket_bytes=64) for name, _ in batch]
+    streamed = [name for batch in Resharder(p, 0, bucket_bytes=64).stream(mine) for name, _ in batch]
     assert sorted(streamed) == sorted(params)
 
 
@@ -243,3 +243,29 @@ def test_a_segment_is_mapped_only_when_it_is_the_senders_own(tmp_path):
     mapped = _map_segment(f"{path}|8|{nonce.hex()}".encode())
     seg[:8] = 7  # the sender's writes are what the receiver reads
     assert mapped is not None and mapped.tolist() == [7] * 8
+
+
+def test_a_plan_is_a_value_and_its_executor_keeps_the_state(monkeypatch):
+    """Running a plan leaves it as it was (frozen, equal to a fresh one): the rounds, the shared memory and this
+    rank's part of each round live on the `Resharder`, worked out on its first run and reused by the next."""
+    import dataclasses
+
+    from tandem.sync import reshard as executor
+
+    params = {"w": ((6, 4), torch.float32), "b": ((5,), torch.float32)}
+    src = {"w": ParamLayout((6, 4), torch.float32, {0: take(full_shard((6, 4)), 0, [(3, 6), (0, 3)])}),
+           "b": ParamLayout((5,), torch.float32, {0: full_shard((5,))})}
+    dst = replicated_layout(params, [0])
+    full = {n: torch.randn(s) for n, (s, _) in params.items()}
+    mine = {n: local_tensor(pl, 0, full[n]) for n, pl in src.items()}
+    p = plan(src, dst)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.bytes_moved = 1
+    cuts, cut = [], executor.rounds
+    monkeypatch.setattr(executor, "rounds", lambda plan, bucket: cuts.append(bucket) or cut(plan, bucket))
+    resharder = executor.Resharder(p, 0, bucket_bytes=64)
+    for _ in range(2):
+        got = resharder.run(mine)
+        assert all(torch.equal(got[n], full[n]) for n in params)
+    assert cuts == [64]  # cut into rounds once, on the first run
+    assert vars(p) == vars(plan(src, dst))
