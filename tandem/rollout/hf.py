@@ -68,13 +68,8 @@ class HFEngine:
         B = len(rows)
         dev = self.device
         gen = torch.Generator(device=dev).manual_seed(self.seed if sampling.seed is None else sampling.seed)
-        plen = max(len(p) for p in rows)
-        ids = torch.full((B, plen), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, plen), dtype=torch.long)
-        for i, p in enumerate(rows):
-            ids[i, plen - len(p):] = torch.tensor(p)
-            attn[i, plen - len(p):] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
+        ids, attn = self._left_padded(rows)
+        plen = ids.shape[1]
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
 
         from transformers import DynamicCache
@@ -127,17 +122,30 @@ class HFEngine:
                                  past_key_values=cache, use_cache=True)
                 logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
+        return self._completions(rows, n, tokens, logps, lengths.tolist(), finished.tolist(), texts)
 
-        tok_mat = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in range(B)]
-        lp_mat = torch.stack(logps, 1).tolist() if logps else [[] for _ in range(B)]
-        lengths, finished = lengths.tolist(), finished.tolist()
+    def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask on the engine's device, each row padded on the left to the longest."""
+        plen = max(len(p) for p in rows)
+        ids = torch.full((len(rows), plen), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), plen), dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, plen - len(p):] = torch.tensor(p)
+            attn[i, plen - len(p):] = 1
+        return ids.to(self.device), attn.to(self.device)
+
+    def _completions(self, rows: list[list[int]], n: int, tokens: list[torch.Tensor], logps: list[torch.Tensor],
+                     lengths: list[int], finished: list[bool], texts: list[str | None]) -> list[Completion]:
+        """One Completion per row from the decode loop's per-step tokens and logprobs, cut to each row's length."""
+        tok_mat = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in rows]
+        lp_mat = torch.stack(logps, 1).tolist() if logps else [[] for _ in rows]
         results = []
-        for i in range(B):
+        for i, row in enumerate(rows):
             L = lengths[i]
             cids = tok_mat[i][:L]
             text = texts[i] if texts[i] is not None else self.tokenizer.decode(cids, skip_special_tokens=True)
             results.append(Completion(
-                prompt_ids=list(rows[i]), completion_ids=cids, logprobs=lp_mat[i][:L], text=text,
+                prompt_ids=list(row), completion_ids=cids, logprobs=lp_mat[i][:L], text=text,
                 finish_reason="stop" if finished[i] else "length", prompt_index=i // n,
             ))
         return results

