@@ -30,8 +30,10 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the synthetic model shape the resharding tests use too
 
-from tandem.sync.layout import (Mesh, ModelLayout, Qwen2Shape, Spec, build_layout, local_tensor,  # noqa: E402
+from qwen2_shape import Qwen2Shape  # noqa: E402
+from tandem.sync.layout import (Mesh, ModelLayout, Spec, build_layout, local_tensor,  # noqa: E402
                                 numel, replicated_layout, slices)
 from tandem.sync.planner import assign_ranks, plan, renumber  # noqa: E402
 from tandem.sync.reshard import Resharder  # noqa: E402

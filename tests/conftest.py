@@ -54,3 +54,28 @@ def chat_model(tmp_path_factory) -> Path:
 def shared_dir() -> Path:
     """The project's shared folder (GSM8K lives there), beside the repository in sessions and in CI."""
     return Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Qwen2 models for the vLLM engine tests (tests/tiny_qwen.py), tied and untied head."""
+    from tiny_qwen import build_model
+
+    root = tmp_path_factory.mktemp("tiny_qwen2")
+    return {
+        "tied": build_model(root / "tied", tied=True),
+        "untied": build_model(root / "untied", tied=False, seed=1),
+    }
+
+
+# Modules that start a vLLM engine in the test process: importing vLLM changes the process it lands in (threads,
+# environment, seeds) for every test after it, so these run after all the others.
+VLLM_IN_PROCESS = {"test_vllm_engine.py", "test_vllm_server.py", "test_sync_guard.py"}
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: starts a vLLM server process (~1 min); deselect with -m 'not slow'")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=lambda item: item.path.name in VLLM_IN_PROCESS)  # stable: the order is kept otherwise

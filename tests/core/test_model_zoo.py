@@ -20,7 +20,7 @@ from tandem.config import ConfigError, load_config  # noqa: E402
 # fp32 on CPU: the hf engine shares the trainer's kernels (measured 1e-8..2e-7), vLLM's differ (measured <= 3e-7
 # per token on these models); a wrong sync or a mis-mapped architecture shows 1e-3 and up.
 LOGPROB_DIFF = 1e-5
-# one update, sharded against one process: reductions add in another order (tests/parallel measured ~1e-7)
+# one update, sharded against one process: reductions add in another order (tests/train/test_parallel.py measured ~1e-7)
 LOSS_RTOL = 1e-5
 START, END = "<!-- model-zoo:start -->", "<!-- model-zoo:end -->"
 HAS_VLLM = (lambda s: s is not None and s.origin is not None)(importlib.util.find_spec("vllm"))

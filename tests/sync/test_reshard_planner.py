@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
-from tandem.sync.layout import (Mesh, ModelLayout, ParamLayout, Qwen2Shape, Spec, build_layout, chunk, flat_chunk,
-                                full_shard, local_tensor, replicated_layout, slices, take)
+from qwen2_shape import Qwen2Shape
+from tandem.sync.layout import (Mesh, ModelLayout, ParamLayout, Spec, build_layout, chunk, flat_chunk, full_shard,
+                                local_tensor, replicated_layout, slices, take)
 from tandem.sync.planner import assign_ranks, plan, renumber
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -12,7 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tandem.sync.layout import (Mesh, ModelLayout, Qwen2Shape, Spec, build_layout, layout_from_dtensors, local_tensor,
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the synthetic model shape, also in the children
+from qwen2_shape import Qwen2Shape  # noqa: E402
+from tandem.sync.layout import (Mesh, ModelLayout, Spec, build_layout, layout_from_dtensors, local_tensor,
                                 replicated_layout)
 from tandem.sync.planner import assign_ranks, plan, renumber
 from tandem.sync.reshard import Resharder, reshard
