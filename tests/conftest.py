@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,13 @@ def _isolated_cache(tmp_path_factory):
     os.environ["TANDEM_CACHE"] = str(tmp_path_factory.mktemp("tandem-cache"))
     torch.set_num_threads(1)
     yield
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a torch.distributed rendezvous of the test's own processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def save_tiny_model(folder: Path, hidden: int = 32, layers: int = 1, seed: int = 0, chat_template: str | None = None) -> Path:

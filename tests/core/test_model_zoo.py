@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the zoo's builder, also in the spawned processes
+from conftest import free_port  # noqa: E402
 import zoo_models  # noqa: E402
 
 from tandem.architectures import SUPPORT, check_supported, support_table  # noqa: E402
@@ -153,18 +153,12 @@ def _worker(rank: int, port: int, dirs: dict[str, str], out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_one_update_under_fsdp_and_tp_matches_one_process(zoo, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
     dirs = {arch: str(path) for arch, path in zoo.items()}
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    mp.spawn(_worker, args=(_free_port(), dirs, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), dirs, str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for arch, path in dirs.items():
         single = _one_update(path)

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' shared helpers
 import reshard_cases  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 WORLD = 4
 CASES = list(reshard_cases.layout_cases()) + ["fsdp2_4", "fsdp2_x_tp_2x2"] + reshard_cases.CHANNEL_CASES
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import io
-import socket
 import sys
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest's tiny-model helper, also in children
-from conftest import save_tiny_model  # noqa: E402
+from conftest import free_port, save_tiny_model  # noqa: E402
 
 from tandem.config import AlgoConfig, OldLogprobs, OptimConfig  # noqa: E402
 from tandem.rollout.base import Completion, Samples, Sampling  # noqa: E402
@@ -114,12 +113,6 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _close(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -131,7 +124,7 @@ def test_sharded_training_matches_one_process(tmp_path, monkeypatch):
 
     model_dir = str(save_tiny_model(tmp_path / "model", layers=2))
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    mp.spawn(_worker, args=(4, _free_port(), model_dir, str(tmp_path)), nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, free_port(), model_dir, str(tmp_path)), nprocs=4, join=True)
 
     single = _policy(model_dir)
     losses = _train(single, None)

@@ -1,12 +1,11 @@
 """StepStats: token-weighted means as (sum, count), maxima, and their reduction over data-parallel ranks."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from tandem.train.stats import StepStats
 
 
@@ -35,9 +34,7 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def test_reduced_over_ranks_weights_each_ranks_tokens():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
