@@ -185,7 +185,13 @@ class Scored:
     totals: list[float]  # the summed reward of each row
     per_fn: dict[str, list[float]]  # each reward function's score of each row
 
+    def concat(self, other: "Scored") -> "Scored":
+        """These rows, then another round's (see `Samples.concat`)."""
+        return Scored(self.samples.concat(other.samples), self.totals + other.totals,
+                      {k: v + other.per_fn[k] for k, v in self.per_fn.items()})
+
     def select(self, rows: list[int]) -> "Scored":
+        """These rows, in this order (see `Samples.select`)."""
         return Scored(self.samples.select(rows), [self.totals[i] for i in rows],
                       {k: [v[i] for i in rows] for k, v in self.per_fn.items()})
 
@@ -243,8 +249,7 @@ def collect(run: Run, step: int, t: Timer) -> tuple[Scored, dict]:
     for rnd in range(rounds):
         new = _score_round(run, step, rnd, t, stats, errors, last_error)
         n_scored += len(new.samples)
-        scored = new if scored is None else Scored(scored.samples.concat(new.samples), scored.totals + new.totals,
-                                                   {k: v + new.per_fn[k] for k, v in scored.per_fn.items()})
+        scored = new if scored is None else scored.concat(new)
         if not a.dynamic_sampling:
             break
         keep = nonzero_variance_groups(torch.tensor(scored.totals), scored.samples.group)

@@ -95,10 +95,9 @@ class Samples:
 
     def select(self, rows: list[int]) -> "Samples":
         """These rows, in this order; the groups they belong to renumbered 0..k-1 in order of first appearance."""
-        kept = self.group[rows] if rows else self.group[:0]
-        number = {g: i for i, g in enumerate(dict.fromkeys(kept.tolist()))}
-        return Samples([self.completions[i] for i in rows], torch.tensor([number[g] for g in kept.tolist()],
-                                                                        dtype=torch.long), len(number))
+        kept = self.group[rows].tolist()
+        number = {g: i for i, g in enumerate(dict.fromkeys(kept))}
+        return Samples([self.completions[i] for i in rows], [number[g] for g in kept], len(number))
 
 
 @runtime_checkable

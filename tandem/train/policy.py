@@ -200,11 +200,16 @@ class Policy:
     def dp_size(self) -> int:
         return self.mesh["dp"].size() if self.mesh is not None else 1
 
+    @property
+    def _dp_group(self):
+        """The data-parallel process group; None when this process trains alone (nothing to reduce)."""
+        return self.mesh["dp"].get_group() if self.mesh is not None and self.dp_size > 1 else None
+
     def _dp_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
-        if self.mesh is not None and self.dp_size > 1:
+        if self._dp_group is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self._dp_group)
         return t
 
     def _pad_counts(self, counts: list[int]) -> list[int]:
@@ -345,9 +350,8 @@ class Policy:
 
     def _report(self, losses: list[float], grad_norms: list[float], stats: StepStats) -> dict[str, float]:
         """The step's stats over every dp rank; `loss` is the mean of each optimizer step's (global) loss."""
-        group = self.mesh["dp"].get_group() if self.mesh is not None and self.dp_size > 1 else None
         losses = self._dp_reduce(torch.tensor(losses, dtype=torch.float64)).tolist()
-        stats = stats.reduced(group)
+        stats = stats.reduced(self._dp_group)
         self.last_losses = losses  # each optimizer step's loss (the global loss with a mesh)
         out = {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms),
                "lr": self.scheduler.get_last_lr()[0], "entropy": stats.mean("entropy"),
@@ -358,8 +362,7 @@ class Policy:
 
     def _check_sampler(self, stats: StepStats, check: Callable[[float, float], None]) -> None:
         """The batch's mean and max |trainer - sampler| logprob over every dp rank, handed to `check`."""
-        group = self.mesh["dp"].get_group() if self.mesh is not None and self.dp_size > 1 else None
-        everywhere = stats.reduced(group)
+        everywhere = stats.reduced(self._dp_group)
         check(everywhere.mean("logprob_diff"), everywhere.maxima.get("logprob_diff", 0.0))
 
     def _clip(self, max_norm: float) -> float:

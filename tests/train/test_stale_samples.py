@@ -45,3 +45,13 @@ def test_stale_samples_use_the_sampler_as_behaviour_policy(tiny_model, tis_cap):
         # decoupled: old logprobs recomputed (ratio 1), the sampler gap goes into the capped importance weight
         assert stale.stats["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
         assert stale.stats["tis_capped_frac"] == pytest.approx(0.0)
+
+
+def test_dual_clip_fraction_is_reported(tiny_model):
+    """A sampler one nat behind on every token (ratio e = 2.72 > dual clip 1.5) with negative advantages: the dual
+    clip binds on every token, and the step's stats say so."""
+    policy = Policy(str(tiny_model), "float32", False, AlgoConfig(dual_clip=1.5), OptimConfig(lr=1e-3), 10, 1.0, 3,
+                    old_logprobs=OldLogprobs.SAMPLER)
+    stats = policy.update(policy.prepare(_batch(policy, 1.0), 8), -torch.ones(8))
+    assert stats["dual_clip_frac"] == pytest.approx(1.0)
+    assert stats["ratio_mean"] == pytest.approx(torch.e, rel=1e-4)
