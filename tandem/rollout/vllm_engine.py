@@ -24,7 +24,7 @@ import torch
 from tandem.modeling import check_model_files
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest, check_manifest, digest
-from tandem.rollout.vllm_worker import encode_weights
+from tandem.rollout.vllm_worker import check_adapter, encode_weights, lora_rank_for
 
 log = logging.getLogger(__name__)
 
@@ -411,9 +411,11 @@ class VLLMEngine:
                  kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.5, sync_bucket_mb: int = 64,
                  enable_sleep: bool = True, enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
                  sleep_level: int = 1, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 engine_kwargs: dict[str, Any] | None = None, shm_ident: str | None = None) -> None:
+                 engine_kwargs: dict[str, Any] | None = None, shm_ident: str | None = None, lora_rank: int = 0) -> None:
         """`shm_ident`: the name every shared-memory segment of a tensor-parallel engine inside an existing
-        process group starts with (the same on all its ranks, unique to the run; see `_adopted_tp`)."""
+        process group starts with (the same on all its ranks, unique to the run; see `_adopted_tp`).
+        `lora_rank` > 0: serve LoRA adapters of up to that rank (`load_adapter`); vLLM's max_lora_rank is the
+        smallest rank it accepts that holds it (1, 8, 16, 32, ...)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         self.updates = EngineWeights(str(model_path), dtype, sync_bucket_mb)
@@ -436,6 +438,9 @@ class VLLMEngine:
         optional = dict(kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens)  # None: vLLM's own default
         kwargs.update({k: int(v) for k, v in optional.items() if v is not None})
+        self.max_lora_rank = lora_rank_for(lora_rank) if lora_rank else 0
+        if lora_rank:  # two slots: the adapter being replaced and its successor
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=2)
         # Inside a process group that exists already (colocated workers), vLLM adopts that world and builds its
         # groups over it collectively; closing must then leave the world alone (see `close`).
         self.adopted_world = _world_initialized()
@@ -459,6 +464,7 @@ class VLLMEngine:
         self.asleep = False
         self.closed = False
         self._warned_sleep = False
+        self.lora_request: Any = None  # the adapter generate() serves (None: the base model)
         self.last_sync_seconds, self.last_sync_bytes, self.last_sync_buckets = SyncStats(0.0, 0, 0)
 
     def _start(self, vllm: Any, kwargs: dict[str, Any], snap: _ProcessSnapshot, external: bool) -> None:
@@ -511,7 +517,7 @@ class VLLMEngine:
         extra = _engine_only_kwargs(sampling)
         params = [SamplingParams(**_sampling_kwargs(sampling, n, seed), **extra) for _, _, n, seed in reqs]
         with self._engine_context():
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
         completions: list[Completion] = []
         for (i, ids, _, _), out in zip(reqs, outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -543,6 +549,30 @@ class VLLMEngine:
         payload: Any = encode_weights(bucket) if self._serialize else bucket
         with self._engine_context():
             self.llm.collective_rpc("tandem_load_weights", args=(payload, self.updates.sync_path))
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], alpha: float, rank: int) -> None:
+        """Serve this LoRA adapter (scaling alpha / rank) from the next generate on, given as tensors in memory.
+
+        Names: the module's plus PEFT's suffix, e.g. `model.layers.0.self_attn.q_proj.lora_A.weight` [rank, in]
+        and `...lora_B.weight` [out, rank]. A bad name or shape raises ValueError and the previous adapter stays.
+        Each version gets a new LoRA id (the old one is dropped) and the prefix cache is reset.
+        """
+        self._check_usable()
+        if not self.max_lora_rank:
+            raise RuntimeError("VLLMEngine was started without LoRA: pass lora_rank > 0")
+        if not 1 <= rank <= self.max_lora_rank:
+            raise ValueError(f"adapter rank {rank} is outside 1..{self.max_lora_rank} (the engine's max_lora_rank)")
+        staged = check_adapter(self.updates.checkpoint.shapes, tensors, rank)
+        staged = {n: t.to(self.dtype) for n, t in staged.items()}
+        from vllm.lora.request import LoRARequest
+
+        version = (self.lora_request.lora_int_id if self.lora_request else 0) + 1
+        payload: Any = encode_weights(staged.items()) if self._serialize else list(staged.items())
+        with self._engine_context():
+            self.llm.collective_rpc("tandem_add_lora", args=(version, payload, float(alpha), int(rank)))
+        # The path is never read (the adapter is in the workers' cache); name and path key the prefix cache.
+        self.lora_request = LoRARequest(f"tandem-lora-{version}", version, lora_path=f"tandem://in-memory/{version}")
+        self.llm.reset_prefix_cache()
 
     def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What a whole weight sync must bring (names, shapes, dtypes): the checkpoint's tensors."""

@@ -29,6 +29,59 @@ def decode_weights(payload: Any) -> list[tuple[str, torch.Tensor]]:
     return list(payload)
 
 
+# LoRA ranks vLLM accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks in vLLM 0.32), read from vLLM if it has it.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_for(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of `rank`."""
+    try:
+        import typing
+
+        from vllm.config.lora import MaxLoRARanks
+
+        ranks = tuple(sorted(typing.get_args(MaxLoRARanks))) or LORA_RANKS
+    except ImportError:
+        ranks = LORA_RANKS
+    fits = [r for r in ranks if r >= rank]
+    if rank < 1 or not fits:
+        raise ValueError(f"lora_rank must be in 1..{ranks[-1]} (vLLM's max_lora_rank is one of {ranks}), got {rank}")
+    return fits[0]
+
+
+def check_adapter(shapes: dict[str, tuple[int, ...]], tensors: Any, rank: int) -> dict[str, torch.Tensor]:
+    """Check a LoRA adapter against the checkpoint's `shapes`; returns its tensors as fresh contiguous copies
+    (vLLM scales lora_B in place when it packs an adapter).
+
+    Names are the Hugging Face module's plus PEFT's suffix, without PEFT's prefix or adapter name:
+    `model.layers.0.self_attn.q_proj.lora_A.weight` [rank, in], `...lora_B.weight` [out, rank]; any 2-D linear
+    weight of the decoder layers may carry one (not the embedding or the head). Every problem is named at once.
+    """
+    linear = {n[: -len(".weight")]: s for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2
+              and not n.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    items = dict(tensors)
+    problems: list[str] = []
+    halves: dict[str, set[str]] = {}
+    for name, t in items.items():
+        module, _, suffix = name.rpartition(".lora_")
+        if module not in linear or suffix not in ("A.weight", "B.weight"):
+            problems.append(f"{name!r}: not <linear module>.lora_A.weight / .lora_B.weight of this model")
+            continue
+        out, inp = linear[module]
+        want = (rank, inp) if suffix == "A.weight" else (out, rank)
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != want:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            problems.append(f"{name!r}: expected a float tensor of shape {want} (rank {rank}), got {got}")
+        halves.setdefault(module, set()).add(suffix[0])
+    problems += [f"{m}.lora_{'B' if h == {'A'} else 'A'}.weight: missing (its other half is given)"
+                 for m, h in halves.items() if len(h) == 1]
+    if not items:
+        problems.append("the adapter has no tensors")
+    if problems:
+        raise ValueError(f"LoRA adapter refused ({len(problems)} problem(s)): " + "; ".join(problems))
+    return {name: t.detach().to("cpu").clone().contiguous() for name, t in items.items()}
+
+
 class TandemWorkerExtension:
     """Mixed into vLLM's Worker class; names are prefixed `tandem_` so they cannot collide with the worker's own."""
 
@@ -78,6 +131,32 @@ class TandemWorkerExtension:
                 method = getattr(module, "quant_method", None)
                 if qual not in loaded_modules and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(module)
+
+    def tandem_add_lora(self, lora_id: int, payload: Any, alpha: float, rank: int) -> list[int]:
+        """Register a LoRA adapter given as tensors (never files) under `lora_id` and drop every other one; a
+        request with `LoRARequest(lora_int_id=lora_id)` is then served with it. Returns the ids registered.
+
+        vLLM's own loader reads a PEFT folder; this builds the same `LoRAModel` from the tensors and puts it in
+        the worker's LoRA cache, where the next step's request finds it (so its path is never read).
+        """
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
+        tensors = dict(decode_weights(payload))
+        targets = sorted({name.rpartition(".lora_")[0].rpartition(".")[2] for name in tensors})
+        helper = PEFTHelper.from_dict({"r": int(rank), "lora_alpha": float(alpha), "target_modules": targets})
+        helper.validate_legal(manager.lora_config)
+        model = manager._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            lora_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        for old in manager.list_adapters():
+            manager.remove_adapter(old)
+        manager._adapter_manager.add_adapter(lora)
+        return sorted(manager.list_adapters())
 
     def tandem_weight_digest(self) -> dict[str, list[float]]:
         """[float64 sum, L2 norm] of each checkpoint tensor this worker was given since it started (plain lists:
