@@ -111,7 +111,8 @@ def build_model(folder: Path, hidden: int, layers: int, vocab: int) -> Path:
     return folder
 
 
-def grpo_step(model_dir: Path, args, device: torch.device, offload: bool) -> tuple[dict[str, int], dict]:
+def grpo_step(model_dir: Path, args, device: torch.device, offload: bool, lora=None) -> tuple[dict[str, int], dict]:
+    """One GRPO step; `lora` (a LoraConfig) trains adapters instead (bench/bench_lora.py compares the two)."""
     from tandem.modeling import load_causal_lm
     from tandem.rollout.base import Samples
     from tandem.rollout.hf import HFEngine
@@ -119,7 +120,7 @@ def grpo_step(model_dir: Path, args, device: torch.device, offload: bool) -> tup
     from tandem.train.policy import Policy
 
     policy = Policy(str(model_dir), "float32", False, AlgoConfig(kl_coef=0.05), OptimConfig(lr=1e-5), 1, 1.0,
-                    args.new_tokens, device=str(device), old_logprobs=OldLogprobs.CURRENT)
+                    args.new_tokens, device=str(device), old_logprobs=OldLogprobs.CURRENT, lora=lora)
     engine = HFEngine(str(model_dir), model=load_causal_lm(model_dir).to(device))
 
     meter = Meter(device, lambda: [t for g in ("params", "grads", "optim", "ref") for t in policy._tensors(g)]
@@ -146,6 +147,10 @@ def grpo_step(model_dir: Path, args, device: torch.device, offload: bool) -> tup
         policy.load("params", "optim")
     with meter.phase("update"):
         policy.update(prepared, advantages)
+    # what training keeps besides the weights: a gradient per trainable parameter (alive until the optimizer step),
+    # AdamW's state, and the reference model
+    accounted = {"grads": sum(p.numel() * p.element_size() for p in policy.params),
+                 "optim": policy.residency()["optim"], "ref": policy.residency()["ref"]}
     if offload:
         policy.offload("optim", "grads")
         engine.wake()
@@ -153,13 +158,12 @@ def grpo_step(model_dir: Path, args, device: torch.device, offload: bool) -> tup
         engine.load_weights(policy.named_weights())
     residency_now = {**policy.residency(), "engine": engine.resident_bytes()}
     return meter.rows, {"tokens": sum(mb.tokens for mb in mbs), "micro_batches": len(mbs),
-                        "resident_after_sync": residency_now, "mbs": mbs}
+                        "resident_after_sync": residency_now, "mbs": mbs, "accounted": accounted}
 
 
 def to_device(mbs, device: torch.device) -> None:
     for mb in mbs:
-        for f in ("input_ids", "attention_mask", "position_ids", "targets", "mask", "sampler_logprobs", "advantages"):
-            setattr(mb, f, getattr(mb, f).to(device))
+        mb.to(device)
 
 
 def sft_step(model_dir: Path, mbs, device: torch.device) -> dict[str, int]:

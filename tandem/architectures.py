@@ -24,6 +24,12 @@ _NO_TP_QK_NORM = ("its per-head q_norm/k_norm weights see only their rank's head
                   "gradients are partial (the zoo test's second update differs from one process)")
 
 
+# LoRA's default targets: every projection of attention and the MLP (QLoRA's finding: adapting all linear layers
+# matches full fine-tuning best), never the embeddings or the LM head.
+_DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # an MoE's experts are fused 3-D tensors, not linear layers
+
+
 @dataclass(frozen=True)
 class Support:
     """Where an architecture runs; a reason string where it does not (what the refusal says)."""
@@ -31,6 +37,7 @@ class Support:
     name: str  # as users know it
     vllm: str = ""  # "" = supported
     tp: str = ""
+    lora: tuple[str, ...] = _DENSE  # lora.target_modules when the config names none
 
 
 SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_model_zoo.py finds it
@@ -39,10 +46,17 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "qwen3": Support("Qwen3", tp=_NO_TP_QK_NORM),
     "gemma": Support("Gemma"),
     "mistral": Support("Mistral"),
-    "phi3": Support("Phi-3 / Phi-4", tp=_NO_TP_FUSED),
-    "qwen3_moe": Support("Qwen3-MoE", vllm=_MOE_VLLM, tp=_NO_TP_MOE),
-    "mixtral": Support("Mixtral", vllm=_MOE_VLLM, tp=_NO_TP_MOE),
+    "phi3": Support("Phi-3 / Phi-4", tp=_NO_TP_FUSED, lora=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    "qwen3_moe": Support("Qwen3-MoE", vllm=_MOE_VLLM, tp=_NO_TP_MOE, lora=_ATTENTION),
+    "mixtral": Support("Mixtral", vllm=_MOE_VLLM, tp=_NO_TP_MOE, lora=_ATTENTION),
 }
+
+
+def lora_targets(kind: str) -> list[str] | str:
+    """The modules LoRA adapts by default in a `model_type`; PEFT's `all-linear` (every linear layer but the LM
+    head) outside the table."""
+    known = SUPPORT.get(kind)
+    return list(known.lora) if known is not None else "all-linear"
 
 
 def model_type(path: str) -> str:

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from tandem.modeling import ModelFolderError, check_model_files
+from tandem.modeling import ModelFolderError, check_model_files, check_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -68,7 +68,12 @@ def problems(folder: Path) -> list[str]:
             found.append(f"rng.pt: holds {sorted(rng)}, not the python, numpy and torch generator states")
     except Exception as exc:  # noqa: BLE001 - whatever a damaged pickle raises, the checkpoint is unusable
         found.append(f"rng.pt: {_why(exc)}")
-    if not any(folder.glob("*.safetensors")):
+    if (folder / "adapter_config.json").is_file():  # a LoRA run's: the adapter alone, in PEFT's format
+        try:
+            check_safetensors(folder / "adapter_model.safetensors")
+        except (ModelFolderError, OSError) as exc:
+            found.append(f"the adapter: {_why(exc) if isinstance(exc, OSError) else exc}")
+    elif not any(folder.glob("*.safetensors")):
         found.append("no model weights (*.safetensors)")
     else:
         try:

@@ -1,4 +1,4 @@
-"""`tandem train | demo | eval | config`: the command line, a thin layer over config loading and the trainer."""
+"""`tandem train | demo | eval | export | config`: the command line, a thin layer over config loading and the trainer."""
 from __future__ import annotations
 
 import argparse
@@ -75,6 +75,13 @@ def _eval(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from tandem.train.lora import export_merged
+
+    print(export_merged(args.checkpoint, args.out, args.base, args.dtype))
+    return 0
+
+
 def _config(args) -> int:
     _optional_config(args)
     if args.doc:
@@ -110,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", help="model folder or checkpoint (sets model.path)")
     e.add_argument("--k", type=int, help="samples per prompt for pass@k (sets eval.k)")
     e.set_defaults(fn=_eval)
+
+    x = sub.add_parser("export", help="merge a LoRA checkpoint's adapter into its base: a plain Hugging Face folder")
+    x.add_argument("checkpoint", help="a checkpoint folder of a lora.enabled run (runs/NAME/checkpoints/step-...)")
+    x.add_argument("out", help="the folder to write (transformers and vLLM load it as is)")
+    x.add_argument("--base", help="the base model folder, if not where adapter_config.json says (moved since)")
+    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the merged weights")
+    x.set_defaults(fn=_export)
 
     c = sub.add_parser("config", help="print the resolved config, or the reference of every field (--doc)")
     c.add_argument("config", nargs="?", default=None)

@@ -286,6 +286,28 @@ class OptimConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
 
 
+class LoraConfig(Section):
+    """LoRA adapters on the policy (through PEFT): only the adapters train, and only they travel to split samplers."""
+
+    enabled: bool = Field(
+        False, description="Train LoRA adapters instead of every weight. The optimizer state and gradients shrink to "
+        "the adapters' (a few MB); the reference model for KL is the base with the adapters switched off, not a "
+        "second copy.")
+    rank: int = Field(8, ge=1, description="Adapter rank r: each targeted weight W [out, in] learns B [out, r] @ A "
+                      "[r, in]. 8 is the common default (TRL, PEFT); raise it for harder tasks.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator: the update is (alpha / rank) * B @ A. "
+                         "16 = 2 x the default rank, as PEFT's and TRL's examples use.")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training. 0 by default: with dropout "
+        "the trainer's logprobs are random, so they cannot equal the sampler's (the per-step logprob check) nor the "
+        "old policy's (the ratio) exactly.")
+    target_modules: list[str] = Field(
+        default_factory=list, description="Module names (a suffix of the full name, PEFT's rule) that get adapters. "
+        "Empty = the architecture's attention and MLP projections (tandem.architectures.SUPPORT lists them; "
+        "PEFT's `all-linear` for an architecture outside it). A name that matches no module is refused before the "
+        "model loads.")
+
+
 class RewardSpec(Section):
     name: str = Field(description="A registered reward (e.g. `arithmetic_exact`, `gsm8k`) or a plugin `module:function`.")
     weight: float = Field(1.0, description="Weight in the summed reward.")
@@ -383,6 +405,7 @@ class Config(Section):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning.")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="arithmetic_exact"), RewardSpec(name="arithmetic_format", weight=0.1)],
         description="Weighted sum of reward functions; each function's mean is its own metric.",
@@ -483,6 +506,13 @@ class Config(Section):
         if isinstance(bound, float) and not bound > 0:
             raise ConfigError(f"rollout.max_logprob_diff: {bound} would stop every step; use a positive bound, "
                               "'auto', or null to turn the check off")
+        if self.lora.enabled and pl.tensor_parallel > 1:
+            raise ConfigError(f"lora.enabled with placement.tensor_parallel: {pl.tensor_parallel}: tandem's TP plan "
+                              "shards plain linear layers, not LoRA's wrapped ones; use placement.tensor_parallel: 1 "
+                              "(FSDP shards the base weights; the adapters' state is small)")
+        if self.lora.enabled and r.engine == "vllm" and self.lora.rank > 512:
+            raise ConfigError(f"lora.rank: {self.lora.rank} is above 512, the largest LoRA rank vLLM serves; use a "
+                              "smaller rank, or rollout.engine: hf")
         if self.eval.k > 1 and self.eval.temperature == 0:
             raise ConfigError("eval.temperature: 0 with eval.k > 1 gives k identical samples; set a temperature > 0")
         return self

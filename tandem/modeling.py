@@ -33,6 +33,9 @@ def check_model_folder(path: str) -> Path:
 def check_model_files(folder: Path) -> None:
     """What a model load reads: config.json with a model_type, and safetensors files that are whole."""
     if not (folder / "config.json").is_file():
+        if (folder / "adapter_config.json").is_file():
+            raise ModelFolderError(f"model.path: {str(folder)!r} is a LoRA adapter, not a whole model; merge it into "
+                                   f"its base with `tandem export {folder} MERGED` and use MERGED")
         raise ModelFolderError(f"model.path: {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
     config = read_json(folder / "config.json")
     if not isinstance(config, dict):

@@ -12,6 +12,7 @@ import torch
 
 from tandem import checkpoint
 from tandem.architectures import check_supported
+from tandem.train import lora
 from tandem.algo import ADVANTAGES, first_k_groups, nonzero_variance_groups, overlong_penalty, truncation_mask
 from tandem.config import Config
 from tandem.data.sources import Prompt, PromptStream, load_task_rows, tokenize_rows
@@ -76,6 +77,7 @@ def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool
         torch.set_num_threads(cfg.run.threads)
     check_model_folder(cfg.model.path)
     check_supported(cfg)  # the architecture in this engine and placement, before any model loads
+    lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)  # adapters PEFT can place, on no weights
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     d = cfg.data
     train_rows = load_task_rows(d.task, d.path, d.prompt_field, d.answer_field, "train")

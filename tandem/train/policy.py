@@ -17,7 +17,7 @@ from tandem.algo import (
     kl_reward_penalty,
     token_loss,
 )
-from tandem.config import AlgoConfig, OldLogprobs, OptimConfig
+from tandem.config import AlgoConfig, LoraConfig, OldLogprobs, OptimConfig
 from tandem.modeling import load_causal_lm
 from tandem.train.batch import MicroBatch, dummy_micro_batch
 from tandem.train.offload import Offloader
@@ -142,7 +142,7 @@ class Policy:
     def __init__(self, model_path: str, dtype: str, trust_remote_code: bool, algo: AlgoConfig, optim: OptimConfig,
                  total_optimizer_steps: int, temperature: float, max_new_tokens: int, mesh=None,
                  mixed_precision: str | None = None, device: str | None = None, offload_bucket_bytes: int = 64 << 20,
-                 old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED):
+                 old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED, lora: LoraConfig | None = None, seed: int = 0):
         """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping).
 
         With a mesh, each dp rank trains on its own rows of every mini-batch (tp peers get the same rows), the
@@ -154,6 +154,9 @@ class Policy:
         fresh samples; SAMPLER takes the sampler's logprobs as the behaviour policy (stale samples, asynchronous
         sampling without TIS). With `algo.tis_cap` the truncated importance weight pi_old / pi_sampler corrects for
         what lies between sampler and old policy (decoupled PPO).
+
+        `lora` (enabled): only adapters train (PEFT; `seed` initializes them); the reference is the same model with
+        its adapters switched off, so no second copy is loaded.
         """
         from tandem.train.parallel import parallelize
 
@@ -163,6 +166,11 @@ class Policy:
         self.old_logprobs = OldLogprobs(old_logprobs)
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.model = load_causal_lm(model_path, dtype, trust_remote_code)
+        self.lora = None  # the PeftModel around self.model when adapters train (self.model's layers are its)
+        if lora is not None and lora.enabled:
+            from tandem.train import lora as lora_lib
+
+            self.lora = lora_lib.wrap(self.model, lora, model_path, seed)
         if device is not None:
             self.model.to(device)
         self.model.train()
@@ -170,7 +178,8 @@ class Policy:
         self.share_prompts = self.mesh is None and shares_prompts(self.model)
         parallelize(self.model, self.mesh, mixed_precision)
         self.ref = None
-        if algo.kl_coef > 0:  # the reference costs a model's memory and a forward per step: only when used
+        self.uses_ref = algo.kl_coef > 0
+        if self.uses_ref and self.lora is None:  # a model's memory and a forward per step: only when used
             self.ref = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
             if device is not None:
                 self.ref.to(device)
@@ -254,8 +263,19 @@ class Policy:
         return self.offloader.resident_bytes()
 
     def named_weights(self):
-        """(HF name, tensor) of every parameter; with a mesh these are DTensor shards (tandem.sync reshards them)."""
+        """(HF name, tensor) of every weight an engine samples with (with LoRA, each adapted one merged); with a mesh
+        these are DTensor shards (tandem.sync reshards them)."""
+        if self.lora is not None:
+            from tandem.train.lora import merged_weights
+
+            return merged_weights(self.model)
         return ((n, p.detach()) for n, p in self.model.named_parameters())
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """With LoRA, the adapter's tensors by wire name (`tandem.train.lora`): all a sampler that has the base needs."""
+        from tandem.train.lora import adapter_weights
+
+        return adapter_weights(self.model)
 
     @torch.no_grad()
     def prepare(self, mini_batches: list[list[MicroBatch]], rows: int) -> "PreparedStep":
@@ -274,8 +294,8 @@ class Policy:
                 mb.old_logprobs, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=True,
                                                       share_prompts=self.share_prompts)
                 self._first_pass_stats(mb, mb.old_logprobs, ent, stats)
-            if self.ref is not None:
-                mb.ref_logprobs, _ = token_logprobs(self.ref, mb, self.temperature, share_prompts=self.share_prompts)
+            if self.uses_ref:
+                mb.ref_logprobs = self._ref_logprobs(mb)
             if penalties is not None:
                 kl = KL_ESTIMATORS[self.algo.kl_estimator](mb.old_logprobs, mb.ref_logprobs)
                 if mb.rows:
@@ -285,6 +305,12 @@ class Policy:
             self._dp_reduce(penalties)
         return PreparedStep(mini_batches, stats, penalties,
                             first_pass_done=self.old_logprobs is OldLogprobs.RECOMPUTED)
+
+    def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        if self.lora is None:
+            return token_logprobs(self.ref, mb, self.temperature, share_prompts=self.share_prompts)[0]
+        with self.lora.disable_adapter():  # the base model is the reference: its weights, no adapters
+            return token_logprobs(self.model, mb, self.temperature, share_prompts=self.share_prompts)[0]
 
     @staticmethod
     def _first_pass_stats(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, stats: StepStats) -> None:
@@ -445,6 +471,30 @@ class Policy:
         missing = [k for k in missing if k not in tied]
         if missing or unexpected:
             raise ValueError(f"load_full_state_dict: missing {missing}, unexpected {list(unexpected)}")
+
+    def full_adapter(self) -> dict[str, torch.Tensor]:
+        """With LoRA, the whole adapter as CPU tensors by wire name; with a mesh a collective (every rank calls it)."""
+        return {n: (t.full_tensor() if hasattr(t, "_local_tensor") else t).cpu()
+                for n, t in self.adapter_weights().items()}
+
+    @torch.no_grad()
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the adapter from whole tensors by wire name (every rank passes all of them); names and shapes must
+        be exactly this model's."""
+        own = self.adapter_weights()
+        missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+        wrong = [n for n in set(own) & set(tensors) if tuple(own[n].shape) != tuple(tensors[n].shape)]
+        if missing or unexpected or wrong:
+            raise ValueError(f"the saved adapter is not this run's (lora.rank / lora.target_modules changed?): "
+                             f"missing {missing[:4]}, unexpected {unexpected[:4]}, other shape {sorted(wrong)[:4]}")
+        for name, p in own.items():
+            value = tensors[name].to(p.dtype)
+            if hasattr(p, "_local_tensor"):
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements).to_local()
+                p = p.to_local()
+            p.copy_(value)
 
     def _tied_names(self) -> set[str]:
         """Names that alias an earlier parameter (a tied LM head)."""

@@ -102,7 +102,7 @@ class HybridWorker(TrainWorker):
                                         bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
         # straight into the engine's own weights where it allows that (hf); else through its load_weights
         inplace = self.engine.weights() if hasattr(self.engine, "weights") else None
-        for bucket in self._resharder.stream(self.local_weights(), out=inplace):
+        for bucket in self._resharder.stream(dict(self.policy.named_weights()), out=inplace):
             self.engine.load_weights(bucket)
         return self._synced(start, self._resharder.plan.bytes_moved)
 
@@ -112,7 +112,7 @@ class HybridWorker(TrainWorker):
         from tandem.sync.layout import EngineTP, engine_tp_layout
         from tandem.sync.planner import plan, plan_to_replicas
 
-        src, ranks = self.weight_layout(), self.ctx.group_ranks[self.ctx.name]
+        src, ranks = self.weight_layout(dict(self.policy.named_weights())), self.ctx.group_ranks[self.ctx.name]
         check_plan(self.engine.manifest(), {n: (tuple(p.shape), p.dtype) for n, p in src.items()},
                    f"worker {self.ctx.global_rank}'s engine", self.engine.weight_aliases())
         if self.engine_tp == 1:

@@ -67,12 +67,18 @@ class RolloutWorker:
             # its output beside the run's (a server that fails says why only there), and cores of its own
             kwargs.update(log_path=str(Path(cfg.run.output_dir) / "vllm-server" / f"{self.ctx.name}-{self.ctx.rank}.log"),
                           cpu_bind=server_cores(self.ctx.global_rank, cfg.placement.cpus_per_worker))
+        # LoRA: an in-process vLLM engine serves the adapter itself (from tensors in memory, vLLM's LoRA kernels);
+        # other engines get it merged into the base weights of the adapted modules (see set_sync_plan)
+        self._serves_adapters = cfg.lora.enabled and name == "vllm"
+        if self._serves_adapters:
+            kwargs["lora_rank"] = cfg.lora.rank
         self.engine = make_engine(name, **kwargs)
         self.version = 0
         self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
         self._arrived = threading.Condition()  # guards _staged and _failed; notified when either is set
         self._failed: BaseException | None = None  # why a weight receive failed (the run is over then)
         self._plan = None
+        self._adapter = None  # LoRA merged here: the base weights of the adapted modules, and the merge
         self._resharder = None  # runs _plan; made at the first receive and kept, with its setup, for the next
         self._last_end = time.perf_counter()
 
@@ -87,7 +93,10 @@ class RolloutWorker:
             staged, self._staged = self._staged, None
         ready = time.perf_counter()
         if staged is not None:
-            self.engine.load_weights(staged[1])
+            if self._serves_adapters:
+                self.engine.load_adapter(dict(staged[1]), self.cfg.lora.alpha, self.cfg.lora.rank)
+            else:
+                self.engine.load_weights(staged[1])
             self.version = staged[0]
         loaded = time.perf_counter()
         comps = self.engine.generate(prompts, sampling)
@@ -100,11 +109,25 @@ class RolloutWorker:
 
     def set_sync_plan(self, plan) -> None:
         """The trainers' plan; refused here, before any weights move, unless it brings this engine every parameter
-        with the engine's shape and dtype (each later load is checked again as it arrives)."""
+        with the engine's shape and dtype (each later load is checked again as it arrives). With LoRA it brings the
+        adapter, which this sampler merges into the base weights it keeps of the adapted modules."""
         from tandem.rollout.manifest import check_plan
 
-        check_plan(self.engine.manifest(), {n: (shape, dst) for n, (shape, _, dst) in plan.params.items()},
-                   f"sampler {self.ctx.global_rank}'s engine", self.engine.weight_aliases())
+        planned = {n: (shape, dst) for n, (shape, _, dst) in plan.params.items()}
+        expected, aliases = self.engine.manifest(), self.engine.weight_aliases()
+        if self.cfg.lora.enabled:
+            from tandem.rollout.adapter import A_SUFFIX, MergedAdapter, adapter_manifest
+
+            lora, path = self.cfg.lora, self.cfg.model.path
+            modules = [n.removesuffix(A_SUFFIX) for n in planned if n.endswith(A_SUFFIX)]
+            dtype = next(iter(expected.values()))[1]
+            if self._serves_adapters:
+                expected = adapter_manifest(path, modules, lora.rank, dtype)
+            else:
+                self._adapter = MergedAdapter(path, modules, lora.rank, lora.alpha, dtype, self.ctx.device)
+                expected = self._adapter.manifest
+            aliases = {}
+        check_plan(expected, planned, f"sampler {self.ctx.global_rank}'s engine", aliases)
         self._plan = plan
 
     def open_weight_channel(self, address: tuple[str, int], size: int) -> None:
@@ -128,16 +151,17 @@ class RolloutWorker:
                 self._resharder = Resharder(self._plan, self.ctx.global_rank, device=self.ctx.device,
                                             bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, channel=self._channel)
             out = self._resharder.run({})
+            received = sum(t.numel() * t.element_size() for t in out.values())
+            named = self._adapter.merged(out) if self._adapter is not None else list(out.items())
         except BaseException as exc:  # a generate waiting for these weights must not wait forever
             with self._arrived:
                 self._failed = exc
                 self._arrived.notify_all()
             raise
-        named = list(out.items())
         with self._arrived:
             self._staged = (version, named)
             self._arrived.notify_all()
-        return {"seconds": time.perf_counter() - start, "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+        return {"seconds": time.perf_counter() - start, "bytes": received}
 
     def close(self) -> None:
         try:

@@ -48,7 +48,7 @@ class TrainWorker:
         self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
                              cfg.rollout.temperature, cfg.rollout.max_new_tokens, mesh=self.mesh,
                              device=None if self.ctx.device == "cpu" else self.ctx.device,
-                             old_logprobs=cfg.old_logprobs)
+                             old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed)
         self._step: PreparedStep | None = None  # prepared, not yet trained on
         self._idle_since = time.perf_counter()  # see `_finished`
 
@@ -138,17 +138,21 @@ class TrainWorker:
     # -- weights out: split placement sends to the samplers --------------------------------------------------
 
     def local_weights(self) -> dict:
-        """This rank's piece of every parameter (a DTensor's local shard is read by the executor)."""
+        """This rank's piece of every tensor a sampler receives (a DTensor's local shard is read by the executor):
+        with LoRA only the adapter's, since the samplers hold the base weights from the start."""
+        if self.policy.lora is not None:
+            return self.policy.adapter_weights()
         return dict(self.policy.named_weights())
 
-    def weight_layout(self):
-        """This group's training layout of every parameter in global ranks: where each byte lives now."""
+    def weight_layout(self, named: dict | None = None):
+        """This group's training layout, in global ranks, of `named` (default: what the samplers receive): where
+        each byte lives now."""
         from tandem.sync.layout import layout_from_dtensors, replicated_layout
 
+        named = self.local_weights() if named is None else named
         if self.mesh is None:
-            named = self.local_weights()
             return replicated_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, [self.ctx.global_rank])
-        return layout_from_dtensors(self.local_weights())
+        return layout_from_dtensors(named)
 
     def set_sync_plan(self, plan) -> None:
         """The trainers -> samplers plan, run over the weight channel (opened first) at every send."""
@@ -185,19 +189,32 @@ class TrainWorker:
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def save(self, folder: str) -> None:
-        """Rank 0 writes the policy in Hugging Face format (loadable as is) and the tokenizer; every rank writes
-        its optimizer/schedule shard."""
-        full = self.policy.full_state_dict()
+        """Rank 0 writes the policy in Hugging Face format (loadable as is; with LoRA the adapter in PEFT's format,
+        `tandem export` merges it) and the tokenizer; every rank writes its optimizer/schedule shard."""
+        if self.policy.lora is not None:
+            from tandem.train.lora import save_adapter
+
+            adapter = self.policy.full_adapter()
+            if self.ctx.rank == 0:
+                save_adapter(self.policy.lora, adapter, folder)
+        else:
+            full = self.policy.full_state_dict()
+            if self.ctx.rank == 0:
+                self.policy.model.save_pretrained(folder, state_dict=full, safe_serialization=True)
         if self.ctx.rank == 0:
-            self.policy.model.save_pretrained(folder, state_dict=full, safe_serialization=True)
             self.tokenizer.save_pretrained(folder)
         torch.save(self.policy.state_dict(), Path(folder) / self._optimizer_file())
 
     def load(self, folder: str) -> None:
-        weights = {}
-        for shard in sorted(Path(folder).glob("*.safetensors")):
-            weights.update(load_file(str(shard)))
-        self.policy.load_full_state_dict(weights)
+        if self.policy.lora is not None:
+            from tandem.train.lora import read_adapter
+
+            self.policy.load_adapter(read_adapter(folder))
+        else:
+            weights = {}
+            for shard in sorted(Path(folder).glob("*.safetensors")):
+                weights.update(load_file(str(shard)))
+            self.policy.load_full_state_dict(weights)
         path = Path(folder) / self._optimizer_file()
         if not path.is_file():
             found = sorted(p.name for p in Path(folder).glob("optimizer*.pt"))

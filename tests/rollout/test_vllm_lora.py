@@ -102,3 +102,43 @@ def test_lora_rank_rounds_up_to_one_vllm_accepts():
     for bad in (0, 513):
         with pytest.raises(ValueError, match="lora_rank"):
             lora_rank_for(bad)
+
+
+def test_lora_run_on_one_vllm_engine_then_its_merged_export_served_by_vllm(vllm_model, tmp_path):
+    """A LoRA run with rollout.engine: vllm in one process (the merged weights pushed each step) samples with the
+    trainer's logprobs; `tandem export` of its checkpoint starts as a plain vLLM model that gives the PEFT model's
+    logprobs (the checkpoint as PEFT loads it)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from peft import PeftModel
+
+    from tandem import checkpoint
+    from tandem.cli import main
+    from tandem.config import load_config
+    from tandem.modeling import load_causal_lm
+    from tandem.rollout.vllm_engine import VLLMEngine
+    from tandem.trainer import train
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # toy_rewards
+    out = tmp_path / "run"
+    train(load_config(None, [
+        f"model.path={vllm_model}", f"run.output_dir={out}", "run.steps=3", "run.save_every=3", "run.progress=false",
+        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
+        "rollout.max_new_tokens=6", "data.max_prompt_tokens=8", "batch.micro_batch_tokens=64", "data.eval_size=4",
+        "reward_pool.workers=0", "rollout.engine=vllm", "rollout.vllm.kv_cache_mb=32", "rollout.vllm.max_model_len=64",
+        "lora.enabled=true", "optim.lr=1e-2", "rollout.max_logprob_diff=1e-5",
+        "rewards=[{name: 'toy_rewards:text_length'}]"]))  # random weights: a reward that varies, so the adapter moves
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert max(s["logprob_diff_max"] for s in steps) <= LOGPROB_TOL
+    last = checkpoint.latest(out / "checkpoints")
+    trained = PeftModel.from_pretrained(load_causal_lm(vllm_model), str(last)).eval()
+    assert main(["export", str(last), str(tmp_path / "merged")]) == 0
+    merged = VLLMEngine(str(tmp_path / "merged"), seed=0, max_model_len=128, kv_cache_bytes=32 << 20)
+    try:
+        assert worst_diff(merged, trained) < LOGPROB_TOL
+        with trained.disable_adapter():
+            assert worst_diff(merged, trained) > 1e-3  # the run moved the adapter: the base would not pass
+    finally:
+        merged.close()
