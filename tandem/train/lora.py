@@ -24,7 +24,8 @@ def peft_config(cfg: LoraConfig, model_path: str, model_type: str):
 
     targets = list(cfg.target_modules) or lora_targets(model_type)
     return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
-                          target_modules=targets, task_type="CAUSAL_LM", base_model_name_or_path=str(model_path))
+                          target_modules=targets, task_type="CAUSAL_LM",
+                          base_model_name_or_path=str(Path(model_path).expanduser().resolve()))  # export finds it
 
 
 def wrap(model, cfg: LoraConfig, model_path: str, seed: int):

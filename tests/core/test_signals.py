@@ -22,12 +22,17 @@ from tandem.signals import StopSignals, Stopped
 from tandem.trainer import train
 
 
-def test_signals_in_each_state_and_the_handlers_put_back():
+def test_signals_in_each_state_and_the_handlers_put_back(caplog):
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def deliver(sig: int) -> None:
+    def deliver(sig: int, handled=lambda: False) -> None:
+        """Send `sig` to this process and wait until its handler has run: at once where it raises; where it only
+        records, until `handled()`. (A signal another thread receives reaches the main thread's handler at its next
+        instruction; a fixed 10 ms sleep was once too short on a loaded machine.)"""
         os.kill(os.getpid(), sig)
-        time.sleep(0.01)  # the handler runs in this thread, at the next instruction
+        deadline = time.monotonic() + 5
+        while not handled() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     with StopSignals() as stop:
         with pytest.raises(Stopped) as starting:  # nothing has finished while starting: at once
@@ -35,7 +40,7 @@ def test_signals_in_each_state_and_the_handlers_put_back():
         assert (starting.value.signum, starting.value.second, starting.value.exit_code) == (signal.SIGTERM, False, 143)
     with StopSignals() as stop:
         stop.running()
-        deliver(signal.SIGINT)  # recorded only
+        deliver(signal.SIGINT, lambda: stop.signum is not None)  # recorded only
         assert stop.signum == signal.SIGINT
         with pytest.raises(Stopped) as checked:
             stop.check()
@@ -44,7 +49,7 @@ def test_signals_in_each_state_and_the_handlers_put_back():
             deliver(signal.SIGTERM)
         assert second.value.second and second.value.exit_code == 143
         with stop.closing():
-            deliver(signal.SIGINT)  # closing the workers is not cut short
+            deliver(signal.SIGINT, lambda: "already closing" in caplog.text)  # closing is not cut short
     assert {sig: signal.getsignal(sig) for sig in previous} == previous
 
 

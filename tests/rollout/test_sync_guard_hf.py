@@ -86,8 +86,10 @@ def test_a_streamed_sync_plan_that_misses_a_parameter_is_refused_before_any_weig
     short = {n: s for n, s in specs.items() if n != dropped}
     with pytest.raises(ManifestError, match=f"1 of the engine's {len(specs)} parameters missing: '{dropped}'"):
         check_plan(engine.manifest(), short, "the hf engine")
-    sampler = RolloutWorker.__new__(RolloutWorker)  # the check needs only its engine and rank
-    sampler.engine, sampler._plan = engine, None
+    from tandem.config import load_config
+
+    sampler = RolloutWorker.__new__(RolloutWorker)  # the check needs only its config, engine and rank
+    sampler.cfg, sampler.engine, sampler._plan = load_config(None, []), engine, None
     sampler.ctx = type("Ctx", (), {"global_rank": 1})()
     with pytest.raises(ManifestError, match=f"sampler 1's engine.*'{dropped}'"):
         sampler.set_sync_plan(plan_to_replicas(replicated_layout(short, [0]), [1]))
