@@ -74,8 +74,9 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic", "gsm8k", "jsonl"] = Field(
-        "arithmetic", description="`arithmetic`: the built-in demo task (generated, no files). `gsm8k`: the official "
+    task: Literal["arithmetic", "multiply", "gsm8k", "jsonl"] = Field(
+        "arithmetic", description="`arithmetic`: the built-in demo task (generated, no files). `multiply`: 3-4 digit "
+        "products, the tool demo's task (examples/tools.yaml: a calculator makes it solvable). `gsm8k`: the official "
         "GSM8K jsonl files in `path` (question / answer after ####). `jsonl`: any jsonl/parquet/`datasets` folder at "
         "`path` with `prompt_field` and `answer_field`.",
     )
@@ -269,9 +270,9 @@ class AlgoConfig(Section):
     )
     overlong_buffer: int = Field(
         0, ge=0, description="DAPO soft overlong punishment: the reward ramps down over the last N tokens before "
-        "rollout.max_new_tokens; 0 = off.",
+        "rollout.max_new_tokens (multi-turn: before a conversation's token limit, env.max_tokens); 0 = off.",
     )
-    overlong_penalty: float = Field(1.0, ge=0.0, description="The penalty reached at rollout.max_new_tokens.")
+    overlong_penalty: float = Field(1.0, ge=0.0, description="The penalty reached at the length limit.")
     mask_truncated: bool = Field(False, description="DAPO overlong filtering: truncated completions give no gradient.")
 
 
@@ -284,6 +285,23 @@ class OptimConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
     schedule: Literal["constant", "cosine"] = Field("constant", description="LR after warm-up: constant, or cosine decay to min_lr_ratio.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
+
+
+class EnvConfig(Section):
+    """Multi-turn rollouts: an environment answers each turn (a tool's output), until it is done or a limit cuts it."""
+
+    name: str = Field(
+        "", description="The environment: `tools` (built in: tool calls in tags, see tandem.rollout.tools) or a "
+        "plugin `module:function` returning one. Empty = single-turn: each completion is one sampled answer.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the environment's factory, e.g. "
+        "`{tools: [calculator]}` for `tools`.")
+    max_turns: int = Field(
+        4, ge=1, description="Sampled turns per conversation. One cut here with a call unanswered ends with "
+        "finish_reason=length (truncated: algo.mask_truncated and overlong shaping apply).")
+    max_tokens: int = Field(
+        0, ge=0, description="Completion tokens per conversation in all, sampled and appended (each turn samples at "
+        "most rollout.max_new_tokens of them). 0 = max_turns x rollout.max_new_tokens. Reaching it truncates.")
 
 
 class LoraConfig(Section):
@@ -406,6 +424,7 @@ class Config(Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Multi-turn rollouts with an environment (tools).")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="arithmetic_exact"), RewardSpec(name="arithmetic_format", weight=0.1)],
         description="Weighted sum of reward functions; each function's mean is its own metric.",
@@ -413,6 +432,14 @@ class Config(Section):
     reward_pool: RewardPoolConfig = Field(default_factory=RewardPoolConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """The longest completion a row can have: one turn's rollout.max_new_tokens, or a conversation's env.max_tokens."""
+        e = self.env
+        if not e.name:
+            return self.rollout.max_new_tokens
+        return e.max_tokens or e.max_turns * self.rollout.max_new_tokens
 
     @property
     def old_logprobs(self) -> OldLogprobs:
@@ -458,18 +485,19 @@ class Config(Section):
             raise ConfigError(
                 f"batch.mini_batches: {b.mini_batches} does not divide batch.prompts_per_step={b.prompts_per_step} "
                 "(a group is never split across optimizer steps); pick a divisor of prompts_per_step")
-        longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        longest = self.data.max_prompt_tokens + self.max_completion_tokens
+        limit = "env.max_tokens (or env.max_turns x rollout.max_new_tokens)" if self.env.name else "rollout.max_new_tokens"
         if b.micro_batch_tokens < longest:
             raise ConfigError(
                 f"batch.micro_batch_tokens: {b.micro_batch_tokens} cannot hold one sequence of up to "
-                f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens; set it to at least {longest}")
+                f"data.max_prompt_tokens + {limit} = {longest} tokens; set it to at least {longest}")
         v = self.rollout.vllm
         if self.rollout.engine == "vllm" and v.max_model_len and v.max_model_len < longest:
             raise ConfigError(f"rollout.vllm.max_model_len: {v.max_model_len} is below data.max_prompt_tokens + "
-                              f"rollout.max_new_tokens = {longest}; raise it or set 0 (the model's limit)")
-        if self.algo.overlong_buffer > self.rollout.max_new_tokens:
-            raise ConfigError(f"algo.overlong_buffer: {self.algo.overlong_buffer} exceeds rollout.max_new_tokens="
-                              f"{self.rollout.max_new_tokens}; the ramp must fit inside the length limit")
+                              f"{limit} = {longest}; raise it or set 0 (the model's limit)")
+        if self.algo.overlong_buffer > self.max_completion_tokens:
+            raise ConfigError(f"algo.overlong_buffer: {self.algo.overlong_buffer} exceeds {limit}="
+                              f"{self.max_completion_tokens}; the ramp must fit inside the length limit")
         if self.data.task in ("gsm8k", "jsonl") and not self.data.path:
             raise ConfigError(f"data.path: empty, but data.task={self.data.task!r} reads a file; set data.path")
         if not self.rewards:

@@ -40,6 +40,8 @@ def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_rewa
     correct = [s >= 1.0 for s in res.per_fn[correct_reward]]
     out["accuracy"] = sum(correct) / len(correct)
     out["reward"] = sum(res.total) / len(res.total)
+    if any("tool_calls" in c.meta for c in greedy):  # multi-turn: how often the greedy answers use a tool
+        out["tool_call_frac"] = sum(c.meta["tool_calls"] > 0 for c in greedy) / len(greedy)
     if k > 1:
         sampled = generate(ids, Sampling(n=k, temperature=temperature, max_new_tokens=max_new_tokens, stop=stop,
                                          seed=seed))

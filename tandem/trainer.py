@@ -12,6 +12,7 @@ import torch
 
 from tandem import checkpoint
 from tandem.architectures import check_supported
+from tandem.rollout.multiturn import conversation_stats
 from tandem.train import lora
 from tandem.algo import ADVANTAGES, first_k_groups, nonzero_variance_groups, overlong_penalty, truncation_mask
 from tandem.config import Config
@@ -78,6 +79,10 @@ def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool
     check_model_folder(cfg.model.path)
     check_supported(cfg)  # the architecture in this engine and placement, before any model loads
     lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)  # adapters PEFT can place, on no weights
+    if cfg.env.name:  # the environment resolves and takes its arguments, before any model loads
+        from tandem.rollout.tools import make_environment
+
+        make_environment(cfg.env.name, **cfg.env.kwargs)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     d = cfg.data
     train_rows = load_task_rows(d.task, d.path, d.prompt_field, d.answer_field, "train")
@@ -293,12 +298,13 @@ def grpo_step(run: Run, step: int) -> Launched:
     run.workers.observe_lengths(lengths)
     reward = torch.tensor(scored.totals, dtype=torch.float32)
     if a.overlong_buffer:
-        reward = reward + overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong_buffer,
+        reward = reward + overlong_penalty(lengths, cfg.max_completion_tokens, a.overlong_buffer,
                                            a.overlong_penalty).float()
     prepared = run.workers.prepare(samples)  # queued behind the previous step's update and sync
     if a.kl_in_reward:
         reward = reward - prepared.get()[0].float()
-    trained_tokens = lengths * truncation_mask(samples.truncated).long() if a.mask_truncated else lengths
+    sampled = samples.sampled_lengths  # what the policy wrote: a tool's tokens are not trained on
+    trained_tokens = sampled * truncation_mask(samples.truncated).long() if a.mask_truncated else sampled
     adv = ADVANTAGES[a.advantage](reward, samples.group, lengths=trained_tokens, eps=a.adv_eps)
     trained = run.workers.train(adv)
     synced = run.workers.sync_weights(step)
@@ -311,6 +317,8 @@ def grpo_step(run: Run, step: int) -> Launched:
         "time/rollout": t["rollout"], "time/reward": t["reward"],
         "rollout/tokens_per_s": int(lengths.sum()) / max(m["time/generate"], 1e-9),
     })
+    if cfg.env.name:
+        m.update(conversation_stats(samples.completions))
     tokens = int(lengths.sum()) + sum(len(c.prompt_ids) for c in samples.completions)
     return Launched(step, m, launched_at, tokens, prepared, trained, synced)
 

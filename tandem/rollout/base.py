@@ -42,6 +42,14 @@ class Completion:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     prompt_index: int  # index into the prompts passed to this engine's generate(); never rewritten afterwards
     meta: dict = field(default_factory=dict)
+    # Multi-turn (tandem.rollout.multiturn): 1 per completion token the policy sampled, 0 per token the environment
+    # appended (a tool's output; its `logprobs` entry is 0.0). None: every token was sampled.
+    loss_mask: list[int] | None = None
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Completion tokens the policy sampled (all of them, unless an environment appended some)."""
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def truncated(self) -> bool:
@@ -77,6 +85,11 @@ class Samples:
     def completion_lengths(self) -> torch.Tensor:
         """[N] completion tokens of each row."""
         return torch.tensor([len(c.completion_ids) for c in self.completions], dtype=torch.long)
+
+    @property
+    def sampled_lengths(self) -> torch.Tensor:
+        """[N] completion tokens of each row the policy sampled: what it is trained on (`Completion.loss_mask`)."""
+        return torch.tensor([c.sampled_tokens for c in self.completions], dtype=torch.long)
 
     @property
     def sequence_lengths(self) -> list[int]:

@@ -50,7 +50,7 @@ class MicroBatch:
     attention_mask: torch.Tensor  # [b, L]
     position_ids: torch.Tensor  # [b, L]
     targets: torch.Tensor  # [b, T] the completion tokens, right-aligned
-    mask: torch.Tensor  # [b, T] 1 on completion tokens
+    mask: torch.Tensor  # [b, T] 1 on completion tokens the policy sampled (not on an environment's)
     sampler_logprobs: torch.Tensor  # [b, T]
     old_logprobs: torch.Tensor | None = None  # [b, T], filled before updates when mu > 1 or mini_batches > 1
     ref_logprobs: torch.Tensor | None = None  # [b, T], filled when kl_coef > 0
@@ -119,6 +119,10 @@ def collate(completions: list[Completion], rows: list[int], pad_id: int, share_p
     T = max(map(len, outs))
     ids, attn = _left_pad(seqs, L, pad_id)
     targets, mask = _left_pad(outs, T, pad_id)
+    loss_masks = [completions[i].loss_mask for i in rows]
+    if any(m is not None for m in loss_masks):  # an environment's tokens (tool output) are context, never trained on
+        mask = mask * torch.tensor([[0] * (T - len(c)) + (m if m is not None else [1] * len(c))
+                                    for c, m in zip(outs, loss_masks)], dtype=torch.long).view(len(rows), T)
     slp = torch.tensor([[0.0] * (T - len(c)) + list(completions[i].logprobs) for i, c in zip(rows, outs)],
                        dtype=torch.float32).view(len(rows), T)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)

@@ -7,7 +7,7 @@ from tandem.config import Config
 from tandem.rollout import Sampling, make_engine
 from tandem.sync.local import push_weights
 from tandem.workers.group import WorkerContext
-from tandem.workers.rollout import Generated, engine_args
+from tandem.workers.rollout import Generated, engine_args, sampler
 from tandem.workers.train import TrainWorker
 
 # What must be on the compute device in each phase (the rest may be offloaded):
@@ -42,6 +42,7 @@ class HybridWorker(TrainWorker):
         if name == "vllm" and self.engine_tp > 1:
             kwargs["shm_ident"] = shm_ident or None
         self.engine = make_engine(name, **kwargs)
+        self.sample = sampler(cfg, self.engine)
         pl = cfg.placement
         self.offload = pl.offload is True or (pl.offload == "auto" and self.ctx.device != "cpu")
         self.version = 0
@@ -72,7 +73,7 @@ class HybridWorker(TrainWorker):
             raise RuntimeError(f"generate asked for policy version {min_version}; this engine holds {self.version}")
         self._enter("generate")
         start = time.perf_counter()
-        comps = self.engine.generate(prompts, sampling)
+        comps = self.sample(prompts, sampling)
         self._finished()  # the trainer's idle time is what follows: scoring, shipping
         # an engine's TP peers sampled the same completions; its first rank reports them
         return Generated(comps if self.engine_rank == 0 else [], self.version, self._idle_since - start)

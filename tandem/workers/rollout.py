@@ -1,12 +1,14 @@
 """The sampler role: one rollout engine that generates, and takes new weights between generations."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -44,6 +46,21 @@ def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
                         max_num_batched_tokens=v.max_num_batched_tokens or None)
 
 
+def sampler(cfg: Config, engine) -> Callable[[list[list[int]], Sampling], list[Completion]]:
+    """How a worker samples with its engine: one generate call, or with `env.name` whole conversations (each turn
+    answered by the environment, its tokens masked; `tandem.rollout.multiturn`)."""
+    if not cfg.env.name:
+        return engine.generate
+    from tandem.modeling import load_tokenizer
+    from tandem.rollout.multiturn import TurnLimits, converse
+    from tandem.rollout.tools import make_environment
+
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # the trainer's: ids mean the same
+    limits = TurnLimits(cfg.env.max_turns, cfg.max_completion_tokens)
+    make_env = functools.partial(make_environment, cfg.env.name, **cfg.env.kwargs)
+    return lambda prompts, sampling: converse(engine, tokenizer, prompts, sampling, make_env, limits)
+
+
 def server_cores(global_rank: int, cores: int) -> str:
     """The cores a vLLM server of this worker binds its threads to: `cores` of this process's allowed CPUs,
     offset by the worker's global rank so that the servers of one host take different cores (VLLM_CPU_OMP_THREADS_BIND
@@ -73,6 +90,7 @@ class RolloutWorker:
         if self._serves_adapters:
             kwargs["lora_rank"] = cfg.lora.rank
         self.engine = make_engine(name, **kwargs)
+        self.sample = sampler(cfg, self.engine)
         self.version = 0
         self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
         self._arrived = threading.Condition()  # guards _staged and _failed; notified when either is set
@@ -99,7 +117,7 @@ class RolloutWorker:
                 self.engine.load_weights(staged[1])
             self.version = staged[0]
         loaded = time.perf_counter()
-        comps = self.engine.generate(prompts, sampling)
+        comps = self.sample(prompts, sampling)
         idle = ready - self._last_end
         self._last_end = time.perf_counter()
         return Generated(comps, self.version, self._last_end - loaded, idle, loaded - ready)

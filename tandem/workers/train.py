@@ -46,7 +46,7 @@ class TrainWorker:
         total_opt_steps = cfg.run.steps * cfg.algo.mu * cfg.batch.mini_batches
         torch.manual_seed(cfg.run.seed)
         self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
-                             cfg.rollout.temperature, cfg.rollout.max_new_tokens, mesh=self.mesh,
+                             cfg.rollout.temperature, cfg.max_completion_tokens, mesh=self.mesh,
                              device=None if self.ctx.device == "cpu" else self.ctx.device,
                              old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed)
         self._step: PreparedStep | None = None  # prepared, not yet trained on

@@ -238,6 +238,22 @@ def test_async_sampling_keeps_the_staleness_bound_and_learns(session, demo_path,
         assert summary["eval/accuracy"] > summary["initial_eval/accuracy"] + 0.25, summary
 
 
+def test_multi_turn_conversations_on_split_async_samplers(session, tiny_model, tmp_path):
+    """Whole conversations (a plugin environment answering each turn) sampled ahead by 2 sampler actors: the run
+    trains on their sampled tokens only and counts their turns."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))  # the plugin, for the actors too
+    cfg = small_config(tiny_model, tmp_path, "placement.mode=split", "placement.rollout_workers=2",
+                       "placement.schedule=async", "run.steps=3", "run.save_every=0",
+                       "env.name=test_multiturn:echo_env", "env.kwargs={turns: 3}", "env.max_tokens=48",
+                       "rollout.ignore_eos=true", "batch.micro_batch_tokens=128")
+    train(cfg)
+    rows = [r for r in read_metrics(tmp_path) if r["step"] > 0]
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+    assert all(r["multiturn/turns_mean"] == 3 and 0 < r["multiturn/masked_frac"] < 1 for r in rows)
+
+
 def test_async_sampling_with_dynamic_sampling_keeps_the_bound(session, tiny_model, tmp_path):
     """DAPO's extra sampling rounds take batches sampled ahead: every one still within the staleness bound, and a
     checkpoint's prompt position counts every round's prompts."""
