@@ -156,6 +156,25 @@ def test_stop_string_ends_text_after_it(engine):
     assert c.completion_ids == first.completion_ids[: len(c.completion_ids)] and len(c.logprobs) == len(c.completion_ids)
 
 
+def test_multi_turn_conversations_match_hf(engine, hf):
+    """Conversations on vLLM (turns of all rows batched, an environment's text appended as ids): the sampler's logprob
+    of every sampled token equals the HF model's over the whole conversation, and the appended ids are exact."""
+    from test_multiturn import Echo
+
+    from tandem.modeling import load_tokenizer
+    from tandem.rollout.multiturn import TurnLimits, converse
+
+    tok = load_tokenizer(engine.model_path)
+    sampling = Sampling(n=2, temperature=1.0, max_new_tokens=5, seed=3, ignore_eos=True)
+    comps = converse(engine, tok, PROMPTS[:2], sampling, lambda: Echo(turns=3, observation="7+8="), TurnLimits(3, 64))
+    observation = tok.encode("7+8=", add_special_tokens=False)
+    for c in comps:
+        assert [t for t, m in zip(c.completion_ids, c.loss_mask) if m == 0] == observation * 2
+        full = hf_logprobs(hf, c.prompt_ids, c.completion_ids, 1.0)
+        sampled = torch.tensor(c.loss_mask) == 1
+        assert (full[sampled] - torch.tensor(c.logprobs)[sampled]).abs().max() < 1e-5
+
+
 # --------------------------------------------------------------------------------------------------- weights
 
 
