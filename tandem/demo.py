@@ -1,4 +1,5 @@
-"""Builds the demo's own model (no downloads): a tiny tokenizer and Qwen2, warm-started on the arithmetic task, cached."""
+"""Builds the demos' own models (no downloads): tiny tokenizers and Qwen2s, warm-started on the arithmetic task or
+on the calculator-tool multiplication task, cached."""
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.data import arithmetic
+from tandem.data import arithmetic, multiply
 
 log = logging.getLogger("tandem.demo")
 
@@ -164,4 +165,194 @@ def demo_model(spec: DemoModelSpec = DemoModelSpec(), root: Path | None = None) 
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("demo model ready at %s (warm start %.1f%% in %d steps)", final, 100 * acc, steps)
+    return final
+
+
+# ---- The tool demo: multiplication that needs the calculator ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolDemoSpec:
+    """What the tool demo builds; any change gives a new cache folder."""
+
+    hidden_size: int = 96
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 256
+    vocab_size: int = 300
+    seed: int = 0
+    warm_lr: float = 3e-3
+    warm_batch: int = 32  # more, smaller steps: copying is learnt in steps, not in samples
+    # The cold-start data come from an imperfect teacher that calls the calculator this often (and then copies its
+    # result); otherwise it answers from its head with a wrong product of about the right length: the two factors
+    # written side by side (`123*456=123456`). That slip is a copy, like the call, so one skill serves both and
+    # the warm start is quick; its first digit is a sure token, so greedy decoding answers from the head (accuracy
+    # ~0) while sampling at temperature 1 calls the tool about `tool_rate` of the time, right, for GRPO to reinforce.
+    tool_rate: float = 0.3
+    warm_target_agreement: float = 0.9  # stop once greedy answers are the teacher's (a right call or its slip)
+    warm_target_copy: float = 0.75  # ... and forced calls end with the right answer this often
+    warm_max_steps: int = 1200  # the learning rate decays linearly to 5% over these (it settles the copying)
+    warm_eval_every: int = 100
+    version: int = 1  # bump when the builder's code changes what it produces
+
+
+def add_tool_tokens(tokenizer) -> None:
+    """Make the tool tags single, ordinary (not special) tokens: each one encodes the same wherever it stands, and
+    `decode(skip_special_tokens=True)` keeps them, so stop strings and rewards see them in the text."""
+    from tokenizers import AddedToken
+
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in multiply.TAGS])
+
+
+def head_answer(a: int, b: int) -> str:
+    """The imperfect teacher's answer from its head: the factors side by side (about the product's length)."""
+    return f"{a}{b}"
+
+
+def tool_teacher(a: int, b: int, rng: random.Random, spec: ToolDemoSpec) -> str | None:
+    """The teacher's head answer to a*b, or None when it calls the calculator instead (`spec.tool_rate`)."""
+    return None if rng.random() < spec.tool_rate else head_answer(a, b)
+
+
+def tool_transcript(tokenizer, a: int, b: int, guess: str | None) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of one teacher transcript, tokenized segment by segment exactly as the multi-turn
+    loop builds it: question, the model's call, the appended observation (mask 0: never predicted), the answer."""
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = [tokenizer.eos_token_id]
+    q = enc(multiply.question(a, b))
+    if guess is None:
+        call, obs = enc(multiply.tool_call(a, b)), enc(multiply.observation(multiply.answer(a, b)))
+        ans = enc(multiply.answer(a, b)) + eos
+        return q + call + obs + ans, [0] * len(q) + [1] * len(call) + [0] * len(obs) + [1] * len(ans)
+    ans = enc(guess) + eos
+    return q + ans, [0] * len(q) + [1] * len(ans)
+
+
+def tool_rollouts(engine, tokenizer, questions: list[str], temperature: float, seed: int = 0,
+                  first: str = "") -> list[str]:
+    """Two-turn transcripts (after the question) the way the multi-turn loop makes them: generate until EOS or
+    `</calc>`; after a call append the calculator's observation ids (encoded once) and generate the answer.
+    `first` is text forced at the start of the model's turn (e.g. `<calc>` to measure the copying)."""
+    from tandem.rollout.base import Sampling
+
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    prompts = [enc(q) + enc(first) for q in questions]
+    turn = Sampling(n=1, temperature=temperature, max_new_tokens=16, stop=(multiply.CALL_CLOSE,), seed=seed)
+    outs = engine.generate(prompts, turn)
+    texts = [first + c.text for c in outs]
+    again, where = [], []
+    for i, (p, c) in enumerate(zip(prompts, outs)):
+        called = texts[i].find(multiply.CALL_OPEN)
+        if c.finish_reason == "stop" and texts[i].endswith(multiply.CALL_CLOSE) and called >= 0:
+            expr = texts[i][called + len(multiply.CALL_OPEN): -len(multiply.CALL_CLOSE)]
+            obs = multiply.observation(multiply.calculate(expr))
+            texts[i] += obs
+            # completion_ids end with the `</calc>` token (one token, so nothing past the stop string is kept)
+            again.append(p + c.completion_ids + enc(obs))
+            where.append(i)
+    if again:
+        turn2 = Sampling(n=1, temperature=temperature, max_new_tokens=12, stop=(multiply.CALL_CLOSE,), seed=seed + 1)
+        for i, c in zip(where, engine.generate(again, turn2)):
+            texts[i] += c.text
+    return texts
+
+
+def tool_figures(model, tokenizer, rows: list[dict], temperature: float, seed: int = 0) -> dict:
+    """Held-out accuracy, tool-call rate, agreement with the teacher (a right call or its head answer), and the
+    accuracy of forced calls (the model's turn starts with `<calc>`: does it copy the question and the result)."""
+    from tandem.rollout.hf import HFEngine
+
+    engine = HFEngine("", model=model, tokenizer=tokenizer, seed=seed)
+    questions = [r["question"] for r in rows]
+    got = tool_rollouts(engine, tokenizer, questions, temperature, seed)
+    forced = tool_rollouts(engine, tokenizer, questions, temperature, seed, first=multiply.CALL_OPEN)
+    model.train()
+    model.requires_grad_(True)
+    n = len(rows)
+    right = [multiply.exact(t, "", r) for t, r in zip(got, rows)]
+    called = [multiply.tool_format(t, "", r) for t, r in zip(got, rows)]
+    kind = [ok or t.strip() == head_answer(*map(int, r["question"][:-1].split("*")))
+            for t, ok, r in zip(got, right, rows)]
+    return {"accuracy": sum(right) / n, "tool_rate": sum(called) / n, "agreement": sum(kind) / n,
+            "forced_call_accuracy": sum(multiply.exact(t, "", r) for t, r in zip(forced, rows)) / n}
+
+
+def tool_warm_start(model, tokenizer, spec: ToolDemoSpec) -> tuple[dict, int]:
+    """Supervised steps on the imperfect teacher's transcripts of train questions, until the model's greedy
+    transcripts of held-out questions are the teacher's (a right call or its head answer) and forced calls mostly
+    copy right (GRPO cannot reinforce a call that comes back with the wrong answer); returns (greedy figures,
+    steps). The steps are the loop's own token sequences, so what the model learns is what the loop will feed it."""
+    pairs = multiply.pairs()[0]
+    held = multiply.rows("test")[:300]
+    rng = random.Random(spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.warm_lr)
+    eos = tokenizer.eos_token_id
+    figures: dict = {}
+    step = 0
+    model.train()
+    while step < spec.warm_max_steps:
+        seqs, masks = zip(*(tool_transcript(tokenizer, a, b, tool_teacher(a, b, rng, spec))
+                            for a, b in rng.sample(pairs, spec.warm_batch)))
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
+        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = spec.warm_lr * max(0.05, 1 - step / spec.warm_max_steps)
+        opt.step()
+        step += 1
+        if step % spec.warm_eval_every == 0:
+            figures = tool_figures(model, tokenizer, held, 0.0)
+            log.info("tool warm start step %d: loss %.3f, held-out greedy accuracy %.1f%%, tool calls %.1f%%, "
+                     "teacher agreement %.1f%%, forced-call accuracy %.1f%%", step, loss.item(),
+                     100 * figures["accuracy"], 100 * figures["tool_rate"], 100 * figures["agreement"],
+                     100 * figures["forced_call_accuracy"])
+            if (figures["agreement"] >= spec.warm_target_agreement
+                    and figures["forced_call_accuracy"] >= spec.warm_target_copy):
+                break
+    return figures, step
+
+
+def tool_demo_model(spec: ToolDemoSpec = ToolDemoSpec(), root: Path | None = None) -> Path:
+    """Path of the warm-started tool demo model folder, built on first use (about a minute) and cached."""
+    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    root = root or cache_root()
+    final = root / f"tooldemo-{key}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tooldemo-{key}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the warm start's figures depend on it; one thread is also fastest here
+    try:
+        tokenizer = build_tokenizer(multiply.corpus(), spec.vocab_size)
+        add_tool_tokens(tokenizer)
+        model = build_model(spec, tokenizer)
+        greedy, steps = tool_warm_start(model, tokenizer, spec)
+        held = multiply.rows("test")[:300]
+        sampled = tool_figures(model, tokenizer, held, 1.0, seed=spec.seed)
+    finally:
+        torch.set_num_threads(threads)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    seconds = round(time.perf_counter() - start, 1)
+    (tmp / "tandem_demo.json").write_text(json.dumps(
+        {"spec": asdict(spec), "greedy": greedy, "temperature_1": sampled, "warm_start_steps": steps,
+         "seconds": seconds}, indent=2))
+    try:
+        os.rename(tmp, final)  # atomic: a concurrent builder that finished first wins, ours is dropped
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("tool demo model ready at %s in %.0f s (%d steps): greedy accuracy %.1f%%, tool calls %.1f%%; at "
+             "temperature 1 accuracy %.1f%%, tool calls %.1f%%", final, seconds, steps, 100 * greedy["accuracy"],
+             100 * greedy["tool_rate"], 100 * sampled["accuracy"], 100 * sampled["tool_rate"])
     return final

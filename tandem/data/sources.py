@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.data import arithmetic
+from tandem.data import arithmetic, multiply
 
 log = logging.getLogger("tandem.data")
 
@@ -80,6 +80,8 @@ def load_task_rows(task: str, path: str, prompt_field: str, answer_field: str, s
     """Rows with `question` and `answer` (plus the source row's other fields) for the configured task."""
     if task == "arithmetic":
         return arithmetic.rows(split)
+    if task == "multiply":
+        return multiply.rows(split)
     rows = read_rows(path, prompt_field, answer_field)
     out = []
     for r in rows:
