@@ -37,12 +37,12 @@ def _start(args, default: str) -> str:
 
 
 def _demo(args) -> int:
-    from tandem.demo import demo_model
+    from tandem.demo import demo_model, tool_demo_model
     from tandem.trainer import train
 
     start = time.perf_counter()
-    load_config(args.config, args.overrides, DEMO_DEFAULTS)  # refuse bad input before building anything
-    path = demo_model()
+    first = load_config(args.config, args.overrides, DEMO_DEFAULTS)  # refuse bad input before building anything
+    path = tool_demo_model() if first.data.task == "multiply" else demo_model()  # examples/tools.yaml's task
     cfg = load_config(args.config, args.overrides, DEMO_DEFAULTS + [f"model.path={path}"])
     summary = train(cfg, resume=_start(args, "replace"))  # the demo is meant to be rerun: it replaces its last run
     summary["wall_seconds_including_bootstrap"] = round(time.perf_counter() - start, 1)

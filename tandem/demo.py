@@ -175,11 +175,11 @@ def demo_model(spec: DemoModelSpec = DemoModelSpec(), root: Path | None = None) 
 class ToolDemoSpec:
     """What the tool demo builds; any change gives a new cache folder."""
 
-    hidden_size: int = 96
+    hidden_size: int = 128
     layers: int = 2
     heads: int = 4
     kv_heads: int = 2
-    intermediate_size: int = 256
+    intermediate_size: int = 512
     vocab_size: int = 300
     seed: int = 0
     warm_lr: float = 3e-3
@@ -191,8 +191,8 @@ class ToolDemoSpec:
     # ~0) while sampling at temperature 1 calls the tool about `tool_rate` of the time, right, for GRPO to reinforce.
     tool_rate: float = 0.3
     warm_target_agreement: float = 0.9  # stop once greedy answers are the teacher's (a right call or its slip)
-    warm_target_copy: float = 0.75  # ... and forced calls end with the right answer this often
-    warm_max_steps: int = 1200  # the learning rate decays linearly to 5% over these (it settles the copying)
+    warm_target_copy: float = 0.95  # ... and forced calls end with the right answer this often
+    warm_max_steps: int = 3000  # the learning rate decays linearly to 5% over these (it settles the copying)
     warm_eval_every: int = 100
     version: int = 1  # bump when the builder's code changes what it produces
 

@@ -88,7 +88,7 @@ def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool
     train_rows = load_task_rows(d.task, d.path, d.prompt_field, d.answer_field, "train")
     train = tokenize_rows(train_rows, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens, d.path or d.task,
                           d.overlong_prompts)
-    if d.eval_path or d.task == "arithmetic":
+    if d.eval_path or d.task in ("arithmetic", "multiply"):  # the built-in tasks have a held-out split
         eval_rows = load_task_rows(d.task, d.eval_path or d.path, d.prompt_field, d.answer_field, "test")
         eval_prompts = tokenize_rows(eval_rows[: d.eval_size], tokenizer, d.chat_template, d.system_prompt,
                                      d.max_prompt_tokens, d.eval_path or d.task, d.overlong_prompts)
