@@ -4,10 +4,11 @@
 
 A random Qwen2 (hidden 256, 4 layers, vocab 32768; no download) holds --prompts x --n conversations of --turns
 sampled turns of --tokens tokens each (EOS ignored, so every row does the same work), an environment appending a
-fixed 8-token observation after each turn but the last. Batched: `tandem.rollout.multiturn.converse` over all
-conversations (each turn one engine call for every row still going). One at a time: the same function called per
-conversation, as a loop over rows with a single-row engine would. Prints sampled tokens per second for each and the
-ratio batched / one-at-a-time. 1 torch thread; the machine's fp32 matmul rate at one thread is printed, so figures
+fixed observation after each turn but the last. Batched: `tandem.rollout.multiturn.converse` over all
+conversations (vLLM: one continuous batch, each conversation's next turn queued as its last one ends; hf: each turn
+one engine call for every row still going, which vLLM is also timed with as "turn by turn"). One at a time: the same
+function called per conversation, as a loop over rows would. Prints sampled tokens per second for each and the
+ratio batched / one at a time. 1 torch thread; the machine's fp32 matmul rate at one thread is printed, so figures
 of other machines compare as ratios only.
 """
 from __future__ import annotations
@@ -41,6 +42,14 @@ class FixedObservation:
         self.seen += 1
         done = self.seen >= self.turns
         return StepResult("" if done else self.text, None, done, None if done else "fixed")
+
+
+class TurnByTurn:
+    """An engine seen through `generate` only: the multi-turn loop then batches turn by turn (every conversation's
+    turn t before any turn t + 1), as it does for engines without continuous batching."""
+
+    def __init__(self, engine):
+        self.generate = engine.generate
 
 
 def main() -> None:
@@ -82,6 +91,11 @@ def main() -> None:
             t0 = time.perf_counter()
             batched = converse(engine, tok, prompts, sampling, make_env, limits)
             t_batched = time.perf_counter() - t0
+            synchronous = t_batched
+            if hasattr(engine, "generate_continuous"):  # the same conversations, turn by turn as other engines run
+                t0 = time.perf_counter()
+                converse(TurnByTurn(engine), tok, prompts, sampling, make_env, limits)
+                synchronous = time.perf_counter() - t0
             t0 = time.perf_counter()
             single = [c for i, p in enumerate(prompts) for k in range(args.n)
                       for c in converse(engine, tok, [p], replace(sampling, n=1, seed=i * args.n + k), make_env, limits)]
@@ -89,12 +103,13 @@ def main() -> None:
             engine.close()
             tokens = sum(c.sampled_tokens for c in batched)
             assert tokens == sum(c.sampled_tokens for c in single)
-            rows.append((name, tokens / t_batched, tokens / t_single))
+            rows.append((name, tokens / t_batched, tokens / synchronous, tokens / t_single))
     print(f"\n{args.prompts} prompts x {args.n} conversations, {args.turns} turns of {args.tokens} sampled tokens, "
           f"observations between turns")
-    print(f"{'engine':8}{'batched tok/s':>16}{'one at a time tok/s':>22}{'ratio':>8}")
-    for name, b, s in rows:
-        print(f"{name:8}{b:>16.0f}{s:>22.0f}{b / s:>8.2f}")
+    print(f"{'engine':8}{'batched tok/s':>16}{'turn by turn tok/s':>20}{'one at a time tok/s':>22}"
+          f"{'batched / one at a time':>25}")
+    for name, b, t, s in rows:
+        print(f"{name:8}{b:>16.0f}{t:>20.0f}{s:>22.0f}{b / s:>25.2f}")
 
 
 if __name__ == "__main__":

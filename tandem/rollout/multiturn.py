@@ -44,10 +44,11 @@ class _Conversation:
 
 def converse(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, make_env: Callable[[], object],
              limits: TurnLimits) -> list[Completion]:
-    """`sampling.n` conversations per prompt, grouped by prompt as `generate` returns them. Every turn of every
-    conversation still going is one batch for the engine (a generate call per distinct token budget), continued from
-    the exact ids so far: earlier turns are never re-tokenized. The environment's text is tokenized once, appended,
-    and masked out of training (`Completion.loss_mask`); its logprobs are 0.
+    """`sampling.n` conversations per prompt, grouped by prompt as `generate` returns them. Each turn continues from
+    the exact ids so far: earlier turns are never re-tokenized. An engine with `generate_continuous` (vLLM) runs all
+    conversations as one continuous batch, each next turn queued as its last one ends; any other gets every turn of
+    every conversation still going as one batch (a generate call per distinct token budget). The environment's text
+    is tokenized once, appended, and masked out of training (`Completion.loss_mask`); its logprobs are 0.
 
     `make_env()` gives one environment per conversation (`tandem.rollout.tools.Environment`); the engine stops a turn
     at `sampling.stop` and the environment's stop strings.
@@ -64,18 +65,28 @@ def converse(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, ma
                 conv.append(_encode(tokenizer, opening), None)
             convs.append(conv)
     stop = tuple(dict.fromkeys(tuple(sampling.stop) + tuple(getattr(convs[0].env, "stop", ()) if convs else ())))
-    while True:
+
+    def next_turn(c: _Conversation) -> Sampling:
+        return replace(sampling, n=1, max_new_tokens=min(sampling.max_new_tokens, limits.max_tokens - len(c.ids)),
+                       stop=stop, seed=None if sampling.seed is None else c.seed + _TURN_SEED_STRIDE * c.turns,
+                       seeds=(c.seed + _TURN_SEED_STRIDE * c.turns,))
+
+    if hasattr(engine, "generate_continuous"):  # vLLM: a conversation's next turn starts as soon as its last ends
+        def follow(k: int, out: Completion):
+            _take_turn(convs[k], out, tokenizer, eos, limits)
+            return None if convs[k].finish else (convs[k].prompt + convs[k].ids, next_turn(convs[k]))
+
+        engine.generate_continuous([(c.prompt + c.ids, next_turn(c)) for c in convs], follow)
+        return [_completion(c, tokenizer) for c in convs]
+    while True:  # any other engine: each turn of every conversation still going, one batch
         active = [c for c in convs if not c.finish]
         if not active:
             break
         by_budget: dict[int, list[_Conversation]] = {}
         for c in active:
-            by_budget.setdefault(min(sampling.max_new_tokens, limits.max_tokens - len(c.ids)), []).append(c)
+            by_budget.setdefault(next_turn(c).max_new_tokens, []).append(c)
         for budget, group in by_budget.items():
-            turn = replace(sampling, n=1, max_new_tokens=budget, stop=stop,
-                           seed=(group[0].seed + _TURN_SEED_STRIDE * group[0].turns) if sampling.seed is not None
-                           else None,
-                           seeds=tuple(c.seed + _TURN_SEED_STRIDE * c.turns for c in group))
+            turn = replace(next_turn(group[0]), seeds=tuple(next_turn(c).seeds[0] for c in group))
             outs = engine.generate([c.prompt + c.ids for c in group], turn)
             for c, out in zip(group, outs):
                 _take_turn(c, out, tokenizer, eos, limits)

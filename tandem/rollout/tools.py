@@ -349,13 +349,14 @@ class ToolsEnvironment:
     The observation is `<result>OUTPUT</result>` with OUTPUT cut to `max_output_chars` (error "too_long" unless the
     tool reported an error of its own). A turn without a call ends the conversation."""
 
-    def __init__(self, tools: Mapping[str, Tool], max_output_chars: int = 1000, tool_timeout_s: float = 10.0):
+    def __init__(self, tools: Mapping[str, Tool], max_output_chars: int = 1000, tool_timeout_s: float = 10.0,
+                 tags: Mapping[str, str] | None = None):
         if max_output_chars < 1:
             raise ValueError(f"max_output_chars must be at least 1, got {max_output_chars}")
         self.max_output_chars = max_output_chars
         self.by_tag: dict[str, tuple[str, GuardedTool]] = {}
         for name, tool in tools.items():
-            tag = getattr(tool, "tag", None) or name.rpartition(":")[2]
+            tag = (tags or {}).get(name) or getattr(tool, "tag", None) or name.rpartition(":")[2]
             if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag == "result":
                 raise ValueError(f"tool {name!r}: tag {tag!r} is not usable (letters, digits, _ . -, not 'result', "
                                  "which the observations use)")
@@ -407,10 +408,12 @@ def _tool_kwargs(name: str, factory: Callable, shared: Mapping[str, Any], own: M
 
 @register_environment("tools")
 def tools_environment(tools: Sequence[str] = ("calculator",), max_output_chars: int = 1000,
-                      tool_timeout_s: float = 10.0, **tool_kwargs) -> Environment:
+                      tool_timeout_s: float = 10.0, tags: Mapping[str, str] | None = None,
+                      **tool_kwargs) -> Environment:
     """The "tools" environment over `tools` (registered names or plugin factories "module:function").
 
-    `tool_kwargs` reach the tools: a kwarg named after a tool with a dict value is that tool's own
+    `tags` renames a tool's tag (`{"calculator": "tool"}`: called as `<tool>...</tool>`), e.g. to match the format a
+    model was fine-tuned with. `tool_kwargs` reach the tools: a kwarg named after a tool with a dict value is that tool's own
     (`python={"wall_s": 2}`); any other goes to each tool whose factory takes it (`wall_s=2`), and one that no tool
     takes is refused. `tool_timeout_s` bounds each call of a tool that does not bound itself (plugins)."""
     if isinstance(tools, str):
@@ -429,4 +432,7 @@ def tools_environment(tools: Sequence[str] = ("calculator",), max_output_chars: 
     unused = sorted(set(shared) - used)
     if unused:
         raise TypeError(f"the tools environment: no tool of {list(tools)} takes {', '.join(map(repr, unused))}")
-    return ToolsEnvironment(built, max_output_chars, tool_timeout_s)
+    unknown = sorted(set(tags or {}) - set(built))
+    if unknown:
+        raise ValueError(f"the tools environment: tags {unknown} name no tool of {list(built)}")
+    return ToolsEnvironment(built, max_output_chars, tool_timeout_s, tags)

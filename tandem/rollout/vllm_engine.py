@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -389,6 +390,20 @@ def _requests(prompts: list[list[int]], sampling: Sampling) -> list[tuple[int, l
     return out
 
 
+def _completions(out: Any, i: int, ids: list[int], detokenized: bool) -> list[Completion]:
+    """The completions of one vLLM request output for prompt `i` (text left empty unless vLLM detokenized)."""
+    completions = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        toks = list(c.token_ids)
+        lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(toks)] if toks else []
+        completions.append(Completion(
+            prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c.text if detokenized else "",
+            finish_reason=_finish(c.finish_reason, f"prompt {i}"), prompt_index=i,
+            meta={"stop_reason": c.stop_reason, "cached_prompt_tokens": out.num_cached_tokens or 0},
+        ))
+    return completions
+
+
 def _finish(reason: str | None, where: str) -> str:
     if reason in ("stop", "length"):
         return reason
@@ -524,21 +539,51 @@ class VLLMEngine:
         params = [SamplingParams(**_sampling_kwargs(sampling, n, seed), **extra) for _, _, n, seed in reqs]
         with self._engine_context():
             outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
-        completions: list[Completion] = []
-        for (i, ids, _, _), out in zip(reqs, outputs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                toks = list(c.token_ids)
-                lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(toks)] if toks else []
-                completions.append(Completion(
-                    prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c.text if extra["detokenize"] else "",
-                    finish_reason=_finish(c.finish_reason, f"prompt {i}"), prompt_index=i,
-                    meta={"stop_reason": c.stop_reason, "cached_prompt_tokens": out.num_cached_tokens or 0},
-                ))
+        completions = [c for (i, ids, _, _), out in zip(reqs, outputs)
+                       for c in _completions(out, i, ids, extra["detokenize"])]
         if not extra["detokenize"]:
             texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
             for c, text in zip(completions, texts):
                 c.text = text
         return completions
+
+    def generate_continuous(self, first: list[tuple[list[int], Sampling]],
+                            follow: Callable[[int, Completion], tuple[list[int], Sampling] | None]) -> None:
+        """Continuous batching across turns: request k is `first[k]` (one sample each); when it finishes, `follow(k,
+        completion)` gives that key's next request (ids, sampling), or None when it is done. vLLM steps over every
+        request at once, so a conversation whose turn ends early starts its next one while the others decode,
+        instead of waiting for the slowest of the turn (`tandem.rollout.multiturn` drives it)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_usable()
+        engine, pending, made = self.llm.llm_engine, {}, itertools.count()
+
+        def add(key: int, ids: list[int], sampling: Sampling) -> None:
+            if not ids or len(ids) >= self.max_model_len:
+                raise ValueError(f"conversation {key}: {len(ids)} prompt tokens; max_model_len is {self.max_model_len}")
+            seed = int(sampling.seeds[0]) if sampling.seeds else sampling.seed
+            extra = _engine_only_kwargs(sampling)
+            rid = f"tandem-turn-{next(made)}"
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=ids),
+                               SamplingParams(**_sampling_kwargs(sampling, 1, seed), **extra),
+                               lora_request=self.lora_request)
+            pending[rid] = (key, ids, extra["detokenize"])
+
+        with self._engine_context():
+            for key, (ids, sampling) in enumerate(first):
+                add(key, ids, sampling)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished or out.request_id not in pending:
+                        continue
+                    key, ids, detokenized = pending.pop(out.request_id)
+                    (done,) = _completions(out, key, ids, detokenized)
+                    if not detokenized:
+                        done.text = self.tokenizer.decode(done.completion_ids, skip_special_tokens=True)
+                    after = follow(key, done)
+                    if after is not None:
+                        add(key, *after)
 
     # ------------------------------------------------------------------------------------------------- weights
 

@@ -175,3 +175,12 @@ def test_python_in_a_weak_sandbox_is_refused_unless_allowed(monkeypatch):
     monkeypatch.setattr(coding, "self_test", lambda packages=(): {"net": 0, "fs": 0, "uid": 0, "pid": 0})
     with pytest.raises(SandboxBroken, match="allow_weak_sandbox"):
         make_tool("python")
+
+
+def test_a_tool_tag_can_be_renamed():
+    env = make_environment("tools", tools=["calculator"], tags={"calculator": "tool"})
+    assert env.stop == ("</tool>",)
+    assert env.step("<tool>6*7</tool>").observation == "<result>42</result>"
+    assert env.step("<calc>6*7</calc>").done  # the old tag is plain text now
+    with pytest.raises(ValueError, match="name no tool"):
+        make_environment("tools", tools=["calculator"], tags={"python": "py"})

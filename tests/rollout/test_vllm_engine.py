@@ -167,9 +167,10 @@ def test_a_seeded_batch_larger_than_one_engine_step_samples(engine):
     assert len(out) == len(prompts) and all(len(c.completion_ids) == 2 for c in out)
 
 
-def test_multi_turn_conversations_match_hf(engine, hf):
-    """Conversations on vLLM (turns of all rows batched, an environment's text appended as ids): the sampler's logprob
-    of every sampled token equals the HF model's over the whole conversation, and the appended ids are exact."""
+def test_multi_turn_conversations_match_hf(engine, hf, monkeypatch):
+    """Conversations on vLLM as one continuous batch (each next turn queued as its last ends; never a generate call
+    per turn), an environment's text appended as ids: the sampler's logprob of every sampled token equals the HF
+    model's over the whole conversation, and the appended ids are exact."""
     from test_multiturn import Echo
 
     from tandem.modeling import load_tokenizer
@@ -177,6 +178,8 @@ def test_multi_turn_conversations_match_hf(engine, hf):
 
     tok = load_tokenizer(engine.model_path)
     sampling = Sampling(n=2, temperature=1.0, max_new_tokens=5, seed=3, ignore_eos=True)
+    monkeypatch.setattr(engine, "generate", lambda *a: pytest.fail("turn-by-turn generate on an engine that batches "
+                                                                  "continuously"))
     comps = converse(engine, tok, PROMPTS[:2], sampling, lambda: Echo(turns=3, observation="7+8="), TurnLimits(3, 64))
     observation = tok.encode("7+8=", add_special_tokens=False)
     for c in comps:
