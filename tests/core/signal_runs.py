@@ -108,11 +108,11 @@ def launch(config: Path, out: Path, *flags: str) -> Launched:
 
 
 def _children_now() -> set[int]:
-    sys.path.insert(0, str(CORE.parent / "distributed"))
+    sys.path.insert(0, str(CORE.parent / "workers"))
     try:
         from procs import descendants as found
     finally:
-        sys.path.remove(str(CORE.parent / "distributed"))
+        sys.path.remove(str(CORE.parent / "workers"))
     return {pid for pid, _ in found()}
 
 

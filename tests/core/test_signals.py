@@ -22,7 +22,17 @@ from tandem.signals import StopSignals, Stopped
 from tandem.trainer import train
 
 
-def test_signals_in_each_state_and_the_handlers_put_back(caplog):
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handling for the test, whatever the suite started with: a background job of a
+    non-interactive shell (`pytest &`, as a CI runner may start it) begins with SIGINT ignored, which a run rightly
+    leaves ignored (so the test would see no SIGINT at all)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_signals_in_each_state_and_the_handlers_put_back(caplog, python_sigint):
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def deliver(sig: int, handled=lambda: False) -> None:

@@ -9,7 +9,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +16,7 @@ from tandem.data.sources import Prompt
 from tandem.evaluation import evaluate
 from tandem.rewards import RewardScorer, resolve_reward
 from tandem.rewards.base import ErrorRateLimit, RewardErrorRateExceeded, RewardSetupError
-from tandem.rollout.base import Samples
+from tandem.rollout.base import Completion, Samples
 
 
 def run(scorer: RewardScorer, completions: list[str]):
@@ -133,7 +132,7 @@ def test_evaluation_counts_reward_errors_by_function_and_kind():
     prompts = [Prompt([1, 2], {"question": "Q1", "target": "x"}), Prompt([3], {"question": "Q2", "target": "x"})]
 
     def generate(ids, sampling):
-        return Samples.of_call([SimpleNamespace(text="x", prompt_index=i) for i in range(len(ids))
+        return Samples.of_call([Completion(list(p), [7], [-1.0], "x", "stop", i) for i, p in enumerate(ids)
                                 for _ in range(sampling.n)], len(ids))
 
     with RewardScorer([("bad_rewards:with_row", 1.0, {}), ("bad_rewards:raises", 1.0, {})], workers=0) as s:
