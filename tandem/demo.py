@@ -11,6 +11,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -136,35 +137,48 @@ def warm_start(model, tokenizer, spec: DemoModelSpec) -> tuple[float, float, int
 
 def demo_model(spec: DemoModelSpec = DemoModelSpec(), root: Path | None = None) -> Path:
     """Path of the warm-started demo model folder, built on first use (about a minute) and cached."""
-    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
-    root = root or cache_root()
-    final = root / f"demo-{key}"
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".demo-{key}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the warm start's figures depend on it; one thread is also fastest here
-    try:
+    def build():
         tokenizer = build_tokenizer(arithmetic.corpus(), spec.vocab_size)
         model = build_model(spec, tokenizer)
         acc, agree, steps = warm_start(model, tokenizer, spec)
+        return model, tokenizer, {"warm_start_accuracy": acc, "teacher_agreement": agree, "warm_start_steps": steps}
+
+    return cached_model("demo", spec, build, root, lambda f: f"warm start {100 * f['warm_start_accuracy']:.1f}% in "
+                                                         f"{f['warm_start_steps']} steps")
+
+
+def cached_model(name: str, spec, build: Callable[[], tuple], root: Path | None,
+                 describe: Callable[[dict], str]) -> Path:
+    """The folder `root/<name>-<hash of spec>`: `build() -> (model, tokenizer, figures)` runs once per spec, on one
+    thread (the warm start's figures depend on it; one thread is also fastest here), and its result is saved with
+    the figures in `tandem_demo.json`, under a temporary name renamed into place (a concurrent builder that finished
+    first wins, ours is dropped)."""
+    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    root = root or cache_root()
+    final = root / f"{name}-{key}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{name}-{key}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tokenizer, figures = build()
     finally:
         torch.set_num_threads(threads)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / "tandem_demo.json").write_text(json.dumps(
-        {"spec": asdict(spec), "warm_start_accuracy": acc, "teacher_agreement": agree, "warm_start_steps": steps,
-         "seconds": round(time.perf_counter() - start, 1)}, indent=2))
+    seconds = round(time.perf_counter() - start, 1)
+    (tmp / "tandem_demo.json").write_text(json.dumps({"spec": asdict(spec), **figures, "seconds": seconds}, indent=2))
     try:
-        os.rename(tmp, final)  # atomic: a concurrent builder that finished first wins, ours is dropped
+        os.rename(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("demo model ready at %s (warm start %.1f%% in %d steps)", final, 100 * acc, steps)
+    log.info("%s model ready at %s in %.0f s (%s)", name, final, seconds, describe(figures))
     return final
 
 
@@ -319,12 +333,19 @@ def tool_warm_start(model, tokenizer, spec: ToolDemoSpec) -> tuple[dict, int]:
 
 
 def tool_demo_model(spec: ToolDemoSpec = ToolDemoSpec(), root: Path | None = None) -> Path:
-    """Path of the warm-started tool demo model folder, built on first use (about a minute) and cached."""
-    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
-    root = root or cache_root()
-    final = root / f"tooldemo-{key}"
-    if (final / "config.json").is_file():
-        return final
+    """Path of the warm-started tool demo model folder, built on first use (about 5 minutes on one thread) and cached."""
+    def build():
+        tokenizer = build_tokenizer(multiply.corpus(), spec.vocab_size)
+        add_tool_tokens(tokenizer)
+        model = build_model(spec, tokenizer)
+        greedy, steps = tool_warm_start(model, tokenizer, spec)
+        sampled = tool_figures(model, tokenizer, multiply.rows("test")[:300], 1.0, seed=spec.seed)
+        return model, tokenizer, {"greedy": greedy, "temperature_1": sampled, "warm_start_steps": steps}
+
+    return cached_model("tooldemo", spec, build, root, lambda f: (
+        f"{f['warm_start_steps']} steps: greedy accuracy {100 * f['greedy']['accuracy']:.1f}%, tool calls "
+        f"{100 * f['greedy']['tool_rate']:.1f}%; at temperature 1 accuracy {100 * f['temperature_1']['accuracy']:.1f}%, "
+        f"tool calls {100 * f['temperature_1']['tool_rate']:.1f}%"))
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tooldemo-{key}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
