@@ -227,7 +227,11 @@ def _score_round(run: Run, step: int, rnd: int, t: Timer, stats: dict, errors: d
     for name, kinds in res.error_kinds.items():
         for kind, n_err in kinds.items():
             stats[f"reward/errors/{name}/{kind}"] += n_err
-    return Scored(new, list(res.total), dict(res.per_fn))
+    totals, per_fn = list(res.total), dict(res.per_fn)
+    if cfg.env.name:  # an environment's own rewards (StepResult.reward, summed over the conversation) count too
+        own = [float(c.meta.get("env_reward") or 0.0) for c in new.completions]
+        totals, per_fn["env"] = [a + b for a, b in zip(totals, own)], own
+    return Scored(new, totals, per_fn)
 
 
 def _reward_stats(scored: Scored, correct_reward: str, prefix: str = "") -> dict[str, float]:

@@ -32,8 +32,9 @@ class Echo:
 
     stop: tuple[str, ...] = ()
 
-    def __init__(self, turns: int = 3, observation: str = "12+34=", error: str | None = None):
-        self.turns, self.observation, self.error, self.seen = turns, observation, error, 0
+    def __init__(self, turns: int = 3, observation: str = "12+34=", error: str | None = None,
+                 reward: float | None = None):
+        self.turns, self.observation, self.error, self.reward, self.seen = turns, observation, error, reward, 0
 
     def reset(self, prompt: str) -> str:
         return ""
@@ -41,7 +42,8 @@ class Echo:
     def step(self, turn_text: str) -> Step:
         self.seen += 1
         done = self.seen >= self.turns
-        return Step("" if done else self.observation, None, done, None if done else "echo", None if done else self.error)
+        return Step("" if done else self.observation, self.reward if done else None, done, None if done else "echo",
+                    None if done else self.error)
 
 
 class CountingEngine:
@@ -160,9 +162,9 @@ def test_limits_end_every_conversation(parts):
     assert 0 < stats["multiturn/masked_frac"] < 1 and stats["multiturn/turns_mean"] == 2.0
 
 
-def echo_env(turns: int = 2, observation: str = "12+34=") -> Echo:
+def echo_env(turns: int = 2, observation: str = "12+34=", reward: float | None = None) -> Echo:
     """A plugin environment for the runs below (`env.name: test_multiturn:echo_env`)."""
-    return Echo(turns, observation)
+    return Echo(turns, observation, reward=reward)
 
 
 def run_config(model, out, *extra: str):
@@ -189,8 +191,11 @@ def test_a_multi_turn_run_trains_on_its_sampled_tokens(tiny_model, tmp_path):
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # toy_rewards
     out = tmp_path / "run"
-    summary = train(run_config(tiny_model, out))
+    summary = train(run_config(tiny_model, out, "env.kwargs={turns: 3, reward: 0.5}"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    # the environment's own reward is added to the reward functions'
+    assert all(r["reward/env"] == 0.5 and r["reward/mean"] == pytest.approx(
+        r["reward/toy_rewards:text_length"] + 0.5) for r in rows)
     assert all(r["logprob_diff_max"] <= 1e-5 for r in rows)
     assert all(r["multiturn/turns_mean"] == 3 and r["multiturn/tool_calls_mean"] == 2 for r in rows)
     assert all(0 < r["multiturn/masked_frac"] < 1 for r in rows)
