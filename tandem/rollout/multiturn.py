@@ -97,19 +97,16 @@ def _take_turn(c: _Conversation, out: Completion, tokenizer, eos: set[int], limi
     """Append the sampled turn; let the environment answer it; decide whether the conversation goes on."""
     c.append(list(out.completion_ids), list(out.logprobs))
     c.turns += 1
-    if out.completion_ids and out.completion_ids[-1] in eos:  # the model ended its answer: nothing to answer
-        c.finish = "stop"
-        return
-    result = c.env.step(out.text)
+    result = c.env.step(out.text)  # also on the last turn: an environment may reward the final answer
     if result.reward is not None:
         c.env_reward = (c.env_reward or 0.0) + float(result.reward)
-    if result.tool is not None:
+    if result.done or (out.completion_ids and out.completion_ids[-1] in eos):  # EOS: the model has answered
+        c.finish = "length" if out.finish_reason == "length" else "stop"
+        return
+    if result.tool is not None:  # counted where the loop answers the call
         c.tool_calls += 1
     if result.error is not None:
         c.tool_errors.append(result.error)
-    if result.done:
-        c.finish = "length" if out.finish_reason == "length" else "stop"
-        return
     if c.turns >= limits.max_turns:
         c.finish = "length"  # cut with a call unanswered
         return
