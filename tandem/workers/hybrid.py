@@ -7,7 +7,7 @@ from tandem.config import Config
 from tandem.rollout import Sampling, make_engine
 from tandem.sync.local import push_weights
 from tandem.workers.group import WorkerContext
-from tandem.workers.rollout import Generated, engine_args, sampler
+from tandem.workers.rollout import Generated, engine_args, sample_with
 from tandem.workers.train import TrainWorker
 
 # What must be on the compute device in each phase (the rest may be offloaded):
@@ -42,7 +42,7 @@ class HybridWorker(TrainWorker):
         if name == "vllm" and self.engine_tp > 1:
             kwargs["shm_ident"] = shm_ident or None
         self.engine = make_engine(name, **kwargs)
-        self.sample = sampler(cfg, self.engine)
+        self.sample = sample_with(cfg, self.engine)
         pl = cfg.placement
         self.offload = pl.offload is True or (pl.offload == "auto" and self.ctx.device != "cpu")
         self.version = 0

@@ -46,7 +46,7 @@ def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
                         max_num_batched_tokens=v.max_num_batched_tokens or None)
 
 
-def sampler(cfg: Config, engine) -> Callable[[list[list[int]], Sampling], list[Completion]]:
+def sample_with(cfg: Config, engine) -> Callable[[list[list[int]], Sampling], list[Completion]]:
     """How a worker samples with its engine: one generate call, or with `env.name` whole conversations (each turn
     answered by the environment, its tokens masked; `tandem.rollout.multiturn`)."""
     if not cfg.env.name:
@@ -90,7 +90,7 @@ class RolloutWorker:
         if self._serves_adapters:
             kwargs["lora_rank"] = cfg.lora.rank
         self.engine = make_engine(name, **kwargs)
-        self.sample = sampler(cfg, self.engine)
+        self.sample = sample_with(cfg, self.engine)
         self.version = 0
         self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
         self._arrived = threading.Condition()  # guards _staged and _failed; notified when either is set
