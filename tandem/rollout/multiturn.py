@@ -82,11 +82,13 @@ def converse(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, ma
         active = [c for c in convs if not c.finish]
         if not active:
             break
-        by_budget: dict[int, list[_Conversation]] = {}
+        by_budget: dict[int, list[tuple[_Conversation, Sampling]]] = {}
         for c in active:
-            by_budget.setdefault(next_turn(c).max_new_tokens, []).append(c)
-        for budget, group in by_budget.items():
-            turn = replace(next_turn(group[0]), seeds=tuple(next_turn(c).seeds[0] for c in group))
+            turn = next_turn(c)
+            by_budget.setdefault(turn.max_new_tokens, []).append((c, turn))
+        for pairs in by_budget.values():
+            group = [c for c, _ in pairs]
+            turn = replace(pairs[0][1], seeds=tuple(t.seeds[0] for _, t in pairs))
             outs = engine.generate([c.prompt + c.ids for c in group], turn)
             for c, out in zip(group, outs):
                 _take_turn(c, out, tokenizer, eos, limits)
