@@ -1,12 +1,16 @@
 """Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm]
 
 Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
 then tandem, each in a fresh child process (same process tree, same torch thread count), and prints one table:
 seconds per step (median of the measured steps after warm-up), completion tokens per second, peak RSS, the
 workload's FLOPs per step, the FLOP floor (FLOPs / this machine's fp32 matmul rate at the same thread count) and
-tandem/TRL. Then each framework's per-phase seconds (TRL's as far as its methods expose them).
+tandem/TRL. Then each framework's per-phase seconds (TRL's as far as its methods expose them), tandem's weight sync
+as a share of its step, and each phase against two references measured in the same run: its floor share (the phase's
+FLOPs at the rated matmul rate) and its matrix products alone at the phase's own shapes (a decode step's rows, a
+micro-batch's tokens; `achievable_seconds`), which separates a framework's overhead from the machine's rate at that
+shape. `--engine vllm` samples tandem's rollouts with vLLM in its process (TRL keeps its HF generate).
 
 Workloads (both: KL 0.04 with the k3 estimator and a loaded reference model, token-mean loss (TRL's `dapo`),
 clip 0.2, fp32, no gradient checkpointing, no dropping of zero-variance groups, temperature 1, lr 1e-5):
@@ -49,11 +53,17 @@ class Workload:
     kv_heads: int
     mlp: int
     ignore_eos: bool
-    micro_rows: int  # sequences per forward/backward, the same for both frameworks
+    # TRL's sequences per forward/backward; tandem gets the same token budget (micro_rows x prompt + completion), which
+    # its prompt-once layout fills with more rows where prompts are long
+    micro_rows: int
+    context: int = 0  # tokens of fixed context before every question (a long-prompt workload), 0 = the bare question
 
     @property
     def completions(self) -> int:
         return self.prompts * self.generations
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
 
 
 WORKLOADS = {
@@ -76,7 +86,7 @@ def build_model(folder: Path, w: Workload) -> int:
     tok = build_tokenizer(arithmetic.corpus(), 300)
     cfg = Qwen2Config(
         vocab_size=len(tok), hidden_size=w.hidden, num_hidden_layers=w.layers, num_attention_heads=w.heads,
-        num_key_value_heads=w.kv_heads, intermediate_size=w.mlp, max_position_embeddings=512,
+        num_key_value_heads=w.kv_heads, intermediate_size=w.mlp, max_position_embeddings=2048,
         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
@@ -103,20 +113,114 @@ def matmul_gflops(threads: int, seconds: float = 2.0) -> float:
     return 2 * 4096 * 512 * 1536 * n / (time.perf_counter() - start) / 1e9
 
 
-def step_flops(w: Workload, params: int, prompt_tokens: int) -> float:
+def phase_flops(w: Workload, params: int, prompt_tokens: int) -> dict[str, float]:
+    """FLOPs of each phase of a step: 2 P per generated token, 2 P per reference-scored token, 6 P per trained one."""
     seq = w.completions * (prompt_tokens + w.new_tokens)
-    generated = w.completions * w.new_tokens
-    return 2 * params * generated + 2 * params * seq + 6 * params * seq
+    return {"rollout": 2 * params * w.completions * w.new_tokens, "logprobs": 2 * params * seq,
+            "update": 6 * params * seq}
+
+
+def linear_shapes(w: Workload, vocab: int) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's matrix products, as the HF model defines them, then the LM head's."""
+    head_dim = w.hidden // w.heads
+    q, kv = w.heads * head_dim, w.kv_heads * head_dim
+    layer = [(w.hidden, q), (w.hidden, kv), (w.hidden, kv), (q, w.hidden), (w.hidden, w.mlp), (w.hidden, w.mlp),
+             (w.mlp, w.hidden)]
+    return layer + [(w.hidden, vocab)]
+
+
+def gemm_seconds(shapes: list[tuple[int, int]], rows: int, backward: bool, repeats: int = 2) -> float:
+    """Best time of the matrix products of `shapes` on `rows` rows (forward x W^T; with `backward` also dY W and
+    dY^T x), each shape with its own weight, run in turn as a model's layers are: a decode step's few rows read
+    every layer's weights from memory, which a benchmark on one hot weight would hide."""
+    import torch
+
+    weights = [torch.randn(n_out, n_in) for n_in, n_out in shapes]
+    xs = {n: torch.randn(rows, n) for n in {d for shape in shapes for d in shape}}
+
+    def once() -> float:
+        start = time.perf_counter()
+        for wt in weights:
+            n_out, n_in = wt.shape
+            torch.nn.functional.linear(xs[n_in], wt)
+            if backward:
+                torch.mm(xs[n_out], wt)
+                torch.mm(xs[n_out].t(), xs[n_in])
+        return time.perf_counter() - start
+
+    once()
+    return min(once() for _ in range(repeats))
+
+
+def decode_attention_seconds(w: Workload, prompt_tokens: int) -> float:
+    """A rollout's attention alone: every decode step's one query per row and head against the row's keys so far
+    (PyTorch's SDPA on per-row caches, as HF generate and tandem's engine for short prompts run it), all layers.
+    Not in the FLOP floor (a few % of the FLOPs), but a matrix-vector product per row and KV head, which runs far
+    below the matmul rate: this is how much of a rollout that costs on this machine."""
+    import torch
+    import torch.nn.functional as F
+
+    head_dim, rows = w.hidden // w.heads, w.completions
+    k = torch.randn(rows, w.kv_heads, prompt_tokens + w.new_tokens, head_dim)
+    v, q = torch.randn_like(k), torch.randn(rows, w.heads, 1, head_dim)
+    F.scaled_dot_product_attention(q, k, v, enable_gqa=w.heads != w.kv_heads)  # first-call setup, not timed
+    start = time.perf_counter()
+    for c in range(prompt_tokens + 1, prompt_tokens + w.new_tokens + 1):
+        for _ in range(w.layers):
+            F.scaled_dot_product_attention(q, k[:, :, :c], v[:, :, :c], enable_gqa=w.heads != w.kv_heads)
+    return time.perf_counter() - start
+
+
+def achievable_seconds(w: Workload, vocab: int, prompt_tokens: int) -> dict[str, float]:
+    """Each phase's matrix products alone, at the shapes the phase runs them: the machine's rate there, no framework.
+
+    rollout: one decode step on every completion's row, through all layers, times `new_tokens` (prompt prefill
+    ignored, as in the floor). logprobs and update: one micro-batch of `micro_rows` full sequences through one
+    layer's products (forward; forward and both backward products), scaled to the layers and micro-batches.
+    """
+    shapes = linear_shapes(w, vocab)
+    layer, head = shapes[:-1], shapes[-1:]
+    tokens = w.micro_rows * (prompt_tokens + w.new_tokens)
+    micro = w.completions / w.micro_rows
+    decode = gemm_seconds(layer * w.layers + head, w.completions, backward=False, repeats=5)
+
+    def stack(backward: bool) -> float:
+        return micro * (w.layers * gemm_seconds(layer, tokens, backward)
+                        + gemm_seconds(head, tokens, backward))
+
+    return {"rollout": w.new_tokens * decode, "logprobs": stack(False), "update": stack(True)}
+
+
+def vocab_size(model: Path) -> int:
+    return json.loads((model / "config.json").read_text())["vocab_size"]
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def train_rows() -> list[dict]:
+def train_rows(w: Workload, model: Path) -> list[dict]:
+    """The demo task's training rows, each question after `w.context` tokens of fixed context (the same for both
+    frameworks: it is built from the model folder's tokenizer)."""
     from tandem.data import arithmetic
 
-    return arithmetic.rows("train")
+    rows = arithmetic.rows("train")
+    if not w.context:
+        return rows
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    text = " ".join(arithmetic.corpus()[: w.context])  # more tokens than needed: cut to exactly `context`
+    context = tok.decode(tok(text)["input_ids"][: w.context]) + " "
+    return [{**r, "question": context + r["question"]} for r in rows]
+
+
+def prompt_tokens(w: Workload, model: Path) -> int:
+    """The longest prompt of the workload, in tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return max(len(tok(r["question"])["input_ids"]) for r in train_rows(w, model))
 
 
 # ---------------------------------------------------------------------------------------------- TRL child
@@ -154,7 +258,7 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
         logging_steps=1, report_to=[], save_strategy="no", disable_dropout=True, dataloader_num_workers=0,
         generation_kwargs={"min_new_tokens": w.new_tokens} if w.ignore_eos else None,
     )
-    ds = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in train_rows()])
+    ds = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in train_rows(w, model)])
     trainer = GRPOTrainer(model=str(model), reward_funcs=exact, args=args, train_dataset=ds, callbacks=[StepTimer()])
 
     def timed(name, fn, count_tokens=False):
@@ -182,20 +286,26 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
 # ---------------------------------------------------------------------------------------------- tandem child
 
 
-def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int) -> dict:
+def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, engine: str = "hf") -> dict:
     from tandem.config import load_config
     from tandem.trainer import train
 
-    seq = 6 + w.new_tokens
-    cfg = load_config(None, [
+    plen = prompt_tokens(w, model)
+    seq = plen + w.new_tokens
+    data = ["data.max_prompt_tokens=8"]
+    if w.context:  # the same rows as TRL's, from a file
+        path = out.with_suffix(".rows.jsonl")
+        path.write_text("".join(json.dumps(r) + "\n" for r in train_rows(w, model)))
+        data = ["data.task=jsonl", f"data.path={path}", f"data.eval_path={path}", f"data.max_prompt_tokens={plen}"]
+    cfg = load_config(None, [*data,
         f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", f"run.threads={threads}",
         f"run.seed={SEED}", "run.save_every=0", "run.progress=false", "run.tensorboard=false", "run.plots=false",
         f"batch.prompts_per_step={w.prompts}", f"batch.group_size={w.generations}",
         f"batch.micro_batch_tokens={w.micro_rows * seq}",
         f"rollout.max_new_tokens={w.new_tokens}", f"rollout.ignore_eos={str(w.ignore_eos).lower()}",
-        "data.max_prompt_tokens=8", "data.eval_size=1", f"algo.kl_coef={KL}", "algo.kl_estimator=k3",
+        "data.eval_size=1", f"algo.kl_coef={KL}", "algo.kl_estimator=k3",
         "algo.loss_agg=token_mean", f"algo.clip_low={CLIP}", f"algo.clip_high={CLIP}", "algo.adv_eps=1e-4",
-        f"optim.lr={LR}", "rewards=[{name: arithmetic_exact}]", "reward_pool.workers=0",
+        f"optim.lr={LR}", "rewards=[{name: arithmetic_exact}]", "reward_pool.workers=0", f"rollout.engine={engine}",
     ])
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -212,13 +322,14 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int) ->
 # ---------------------------------------------------------------------------------------------- parent
 
 
-def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int) -> dict:
+def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf") -> dict:
     """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other)."""
-    result = work / f"{framework}-{w.name}.json"
+    result = work / f"{framework}-{w.name}-{w.prompts}x{w.generations}x{w.new_tokens}-c{w.context}.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, __file__, "--child", framework, "--workload", w.name, "--model", str(model),
-           "--out", str(result), "--steps", str(steps), "--threads", str(threads)]
+    cmd = [sys.executable, str(Path(__file__).resolve().with_name("bench_trl.py")), "--child", framework,
+           "--spec", w.to_json(), "--model", str(model), "--out", str(result), "--steps", str(steps),
+           "--threads", str(threads), "--engine", engine]
     proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout[-6000:])
@@ -241,22 +352,28 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="steps run before measuring")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in every process")
     ap.add_argument("--frameworks", nargs="+", default=["trl", "tandem"], choices=["trl", "tandem"])
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                    help="tandem's rollout engine (TRL always samples with its HF generate)")
     ap.add_argument("--child", choices=["trl", "tandem"], help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.child:
-        w = WORKLOADS[args.workload]
-        fn = run_trl if args.child == "trl" else run_tandem
-        res = fn(w, Path(args.model), Path(args.out).with_suffix(".run"), args.steps, args.threads)
+        w = Workload(**json.loads(args.spec))
+        out = Path(args.out).with_suffix(".run")
+        if args.child == "trl":
+            res = run_trl(w, Path(args.model), out, args.steps, args.threads)
+        else:
+            res = run_tandem(w, Path(args.model), out, args.steps, args.threads, args.engine)
         Path(args.out).write_text(json.dumps(res))
         return
 
     import torch
 
     names = ["small", "large"] if args.workload == "both" else [args.workload]
-    print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, "
+    print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, tandem's engine: {args.engine}, "
           f"load average at start={os.getloadavg()}")
     rate = matmul_gflops(args.threads)
     print(f"fp32 matmul rate at {args.threads} thread(s): {rate:.1f} GFLOP/s")
@@ -267,16 +384,19 @@ def main() -> None:
             w = WORKLOADS[name]
             steps = args.steps or (5 if name == "small" else 2)
             params = build_model(work / f"model-{name}", w)
-            flops = step_flops(w, params, prompt_tokens=6)
+            plen = prompt_tokens(w, work / f"model-{name}")
+            phases = phase_flops(w, params, plen)
+            flops = sum(phases.values())
             res = {}
             for fw in args.frameworks:
                 start = time.perf_counter()
-                res[fw] = summarize(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads),
-                                    args.warmup)
+                res[fw] = summarize(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads,
+                                          args.engine), args.warmup)
                 print(f"  {name:5s} {fw:6s} done in {time.perf_counter() - start:.0f} s, steps: "
                       + ", ".join(f"{t:.3f}" for t in res[fw]["all"]) + f"; load {os.getloadavg()[0]:.2f}",
                       flush=True)
-            table.append((w, params, flops, steps, res))
+            gemms = achievable_seconds(w, vocab_size(work / f"model-{name}"), plen)
+            table.append((w, params, flops, steps, res, phases, gemms, decode_attention_seconds(w, plen)))
 
     floor_note = f"floor = FLOPs / {rate:.1f} GFLOP/s"
     print(f"\nthreads={args.threads}; s/step = median of the measured steps after {args.warmup} warm-up; {floor_note}")
@@ -284,7 +404,7 @@ def main() -> None:
            f"{'GFLOP/step':>10s} {'floor s':>8s} {'x floor':>7s} {'tandem/TRL':>10s}"
     print(head)
     print("-" * len(head))
-    for w, params, flops, steps, res in table:
+    for w, params, flops, steps, res, *_ in table:
         floor = flops / (rate * 1e9)
         for fw, r in res.items():
             ratio = f"{r['s_step'] / res['trl']['s_step']:.2f}" if fw == "tandem" and "trl" in res else ""
@@ -294,9 +414,30 @@ def main() -> None:
               f"{steps} measured steps)")
     print("\nper-phase seconds (median over measured steps; TRL: rollout = _generate, logprobs = the rest of "
           "_generate_and_score_completions, update = the rest of the step)")
-    for w, _, _, _, res in table:
+    for w, _, _, _, res, *_ in table:
         for fw, r in res.items():
             print(f"  {w.name:5s} {fw:6s} " + "  ".join(f"{k}={v:.3f}" for k, v in r["phases"].items()))
+        if "tandem" in res:
+            r = res["tandem"]
+            print(f"  {w.name:5s} tandem weight sync ({args.engine} engine, one process): "
+                  f"{100 * r['phases']['sync'] / r['s_step']:.3f}% of the step")
+    print(f"\neach phase against its floor share (its FLOPs / {rate:.1f} GFLOP/s) and against its matrix products "
+          "alone at the phase's own shapes (`achievable_seconds`: the machine's rate there, no framework)")
+    head = f"{'workload':9s} {'phase':9s} {'floor s':>8s} {'GEMMs s':>8s} {'GEMM GF/s':>9s} " + \
+        " ".join(f"{fw + ' s':>9s} {'x floor':>7s} {'x GEMMs':>7s}" for fw in args.frameworks)
+    print(head)
+    print("-" * len(head))
+    for w, _, _, _, res, phases, gemms, _ in table:
+        for phase, fl in phases.items():
+            floor, alone = fl / (rate * 1e9), gemms[phase]
+            line = f"{w.name:9s} {phase:9s} {floor:8.3f} {alone:8.3f} {fl / alone / 1e9:9.1f} "
+            for fw in args.frameworks:
+                t = res[fw]["phases"][phase]
+                line += f"{t:9.3f} {t / floor:7.2f} {t / alone:7.2f} "
+            print(line)
+    for w, *_, attention in table:
+        print(f"{w.name} rollout: its attention alone (SDPA, one query per row, all layers and steps) takes "
+              f"{attention:.3f} s on top of its matrix products")
     print(f"load average at end={os.getloadavg()}")
 
 

@@ -29,12 +29,15 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 class HFEngine:
-    """Samples with the model's own forward and a DynamicCache, one decode step for the whole batch at a time.
+    """Samples with the model's own forward and a KV cache, one decode step for the whole batch at a time.
 
+    The prefill runs each distinct prompt once, however many completions it gets (GRPO's group: `Sampling.n`).
     Rows are left-padded so every row's next token sits in the last column; a row that has finished keeps
     feeding padding (its outputs are discarded) and the loop ends when every row has finished. For Llama-family
     models (Qwen2, Llama) the decode steps after the prefill run through `llama_decode.StaticDecoder`: the same
-    weights and math with a preallocated cache and no per-step module overhead (`fast_decode = False` turns it off).
+    weights and math with a preallocated cache, each prompt's keys and values held once for its group, and no
+    per-step module overhead (`fast_decode = False` turns it off: the HF forward on a DynamicCache copied out to
+    every row).
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
@@ -68,8 +71,8 @@ class HFEngine:
         B = len(rows)
         dev = self.device
         gen = torch.Generator(device=dev).manual_seed(self.seed if sampling.seed is None else sampling.seed)
-        ids, attn = self._left_padded(rows)
-        plen = ids.shape[1]
+        # The prefill runs each prompt once (a group's n rows share it), then hands every row its prompt's cache.
+        ids, attn = self._left_padded(prompts)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
 
         from transformers import DynamicCache
@@ -77,14 +80,18 @@ class HFEngine:
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :]
-        next_pos = pos[:, -1] + 1
-        # Decode steps: the lean static-cache path where the architecture allows it, else the HF forward.
+        logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
+        next_pos = pos[:, -1].repeat_interleave(n) + 1
+        del out
+        # Decode steps: the lean static-cache path where the architecture allows it (it keeps each prompt's keys and
+        # values once), else the HF forward on a cache copied out to every row.
         decoder = None
         if self.fast_decode and llama_decode.supports(self.model) and sampling.max_new_tokens > 1:
-            decoder = llama_decode.StaticDecoder(self.model, cache, B, plen, plen + sampling.max_new_tokens, attn)
-            cache = None  # the decoder holds its own copy of the prompt's keys and values
-        del out
+            decoder = llama_decode.StaticDecoder(self.model, cache, n, sampling.max_new_tokens, attn)
+            cache = None
+        else:
+            cache.batch_repeat_interleave(n)
+            attn = attn.repeat_interleave(n, dim=0)
 
         stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))),
                                 dtype=torch.long, device=dev)

@@ -80,13 +80,17 @@ class MicroBatch:
         return of_rows[self.rows].float().to(self.targets.device)
 
 
-def pack(lengths: list[int], budget: int, groups: list[int] | None = None) -> list[list[int]]:
+def pack(lengths: list[int], budget: int, groups: list[int] | None = None,
+         prompt_lengths: list[int] | None = None) -> list[list[int]]:
     """Group indices into micro-batches whose padded size (rows x longest) stays within `budget` tokens.
 
     Sorting by length first keeps padding small. With `groups` (each index's prompt group, all of whose rows share
     a prompt) the rows of a group are kept next to each other instead, so a micro-batch holds whole groups where the
-    budget allows and runs each prompt once (`SharedPrompts`). Each micro-batch is returned in ascending index order
-    so results do not depend on how ties were broken.
+    budget allows and runs each prompt once (`SharedPrompts`); with `prompt_lengths` too, a micro-batch is sized as
+    that prompt-once layout runs: its distinct prompts once each plus every row's completion (each part padded to
+    its longest), so a long prompt's group of short completions is not cut into micro-batches that each run the
+    prompt again. Each micro-batch is returned in ascending index order so results do not depend on how ties were
+    broken.
     """
     if groups is None:
         order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
@@ -95,16 +99,25 @@ def pack(lengths: list[int], budget: int, groups: list[int] | None = None) -> li
         for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
             first.setdefault(groups[i], len(first))  # groups in the order of their shortest row
         order = sorted(range(len(lengths)), key=lambda i: (first[groups[i]], lengths[i], i))
+    shared = groups is not None and prompt_lengths is not None
     out: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    prompts: set[int] = set()
+    longest = head = tail = 0  # longest sequence; prompt-once: longest prompt but its last token, longest completion
     for i in order:
-        new_longest = max(longest, lengths[i])
-        if current and new_longest * (len(current) + 1) > budget:
+        if shared:  # each row runs its prompt's last token and its completion but its last: completion-many tokens
+            new_head, new_tail = max(head, prompt_lengths[i] - 1), max(tail, lengths[i] - prompt_lengths[i])
+            size = len(prompts | {groups[i]}) * new_head + (len(current) + 1) * new_tail
+        else:
+            size = max(longest, lengths[i]) * (len(current) + 1)
+        if current and size > budget:
             out.append(sorted(current))
-            current, new_longest = [], lengths[i]
+            current, prompts, longest, head, tail = [], set(), 0, 0, 0
         current.append(i)
-        longest = new_longest
+        longest = max(longest, lengths[i])
+        if shared:
+            prompts.add(groups[i])
+            head, tail = max(head, prompt_lengths[i] - 1), max(tail, lengths[i] - prompt_lengths[i])
     if current:
         out.append(sorted(current))
     return out
@@ -193,12 +206,17 @@ def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad
 def make_micro_batches(samples: Samples, budget: int, pad_id: int, subset: list[int] | None = None,
                        by_prompt: bool = False) -> list[MicroBatch]:
     """`subset` (default all rows) packed by `budget`; `by_prompt`, for a trainer that runs each prompt once, keeps
-    each group's rows together (see `pack`) and lays out their prompt-once layout (`SharedPrompts`)."""
+    each group's rows together, sizes micro-batches as the prompt-once layout runs (see `pack`) and lays it out
+    (`SharedPrompts`)."""
     idx = list(range(len(samples))) if subset is None else subset
     lengths = samples.sequence_lengths
-    groups = samples.group.tolist()
-    return [collate(samples.completions, [idx[k] for k in g], pad_id, by_prompt)
-            for g in pack([lengths[i] for i in idx], budget, [groups[i] for i in idx] if by_prompt else None)]
+    if by_prompt:
+        groups = samples.group.tolist()
+        prompts = [len(samples.completions[i].prompt_ids) for i in idx]
+        packed = pack([lengths[i] for i in idx], budget, [groups[i] for i in idx], prompts)
+    else:
+        packed = pack([lengths[i] for i in idx], budget)
+    return [collate(samples.completions, [idx[k] for k in g], pad_id, by_prompt) for g in packed]
 
 
 def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:

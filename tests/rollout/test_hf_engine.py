@@ -28,7 +28,18 @@ def recompute_logprobs(model, prompt, completion, temperature):
     return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
-def test_groups_lengths_and_logprobs_match_a_fresh_forward(engine, prompts, tiny_model):
+@pytest.fixture(params=["prompt per row", "prompt shared"])
+def prompt_cache(request, monkeypatch):
+    """Both ways the lean decoder holds a prompt: copied into each row's cache, or once for its group (split
+    attention; the test prompts are short, so the threshold is lowered to reach it)."""
+    from tandem.rollout import llama_decode
+
+    if request.param == "prompt shared":
+        monkeypatch.setattr(llama_decode, "SHARED_PROMPT_MIN_BYTES", 1)
+    return request.param
+
+
+def test_groups_lengths_and_logprobs_match_a_fresh_forward(engine, prompts, tiny_model, prompt_cache):
     out = engine.generate(prompts, Sampling(n=4, temperature=0.7, max_new_tokens=5, ignore_eos=True, seed=3))
     assert len(out) == 12
     assert [c.prompt_index for c in out] == [0] * 4 + [1] * 4 + [2] * 4
@@ -113,7 +124,7 @@ def test_empty_prompt_is_refused(engine):
         engine.generate([[]], Sampling())
 
 
-def test_lean_decode_matches_the_hf_forward(tiny_model, prompts):
+def test_lean_decode_matches_the_hf_forward(tiny_model, prompts, prompt_cache, monkeypatch):
     """The static-cache decode path (llama_decode) samples the same tokens with the same logprobs as the HF forward,
     left padding included."""
     from tandem.rollout import llama_decode
@@ -121,8 +132,33 @@ def test_lean_decode_matches_the_hf_forward(tiny_model, prompts):
     fast, slow = HFEngine(str(tiny_model), seed=0), HFEngine(str(tiny_model), seed=0)
     slow.fast_decode = False
     assert llama_decode.supports(fast.model)
+    decoders, build = [], llama_decode.StaticDecoder.__init__
+
+    def recording(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        decoders.append(self.shared)
+
+    monkeypatch.setattr(llama_decode.StaticDecoder, "__init__", recording)
     s = Sampling(n=3, temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=7)
     a, b = fast.generate(prompts, s), slow.generate(prompts, s)
+    assert decoders == [prompt_cache == "prompt shared"]  # the path under test ran, and only the fast engine's
     assert [c.completion_ids for c in a] == [c.completion_ids for c in b]
     for x, y in zip(a, b):
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_the_prefill_runs_each_prompt_once(tiny_model, prompts, fast_decode):
+    """A group's n completions share their prompt: the prefill's forward sees each prompt once, not n times, and the
+    rows still get their own samples (the decode steps run every row)."""
+    engine = HFEngine(str(tiny_model), seed=0)
+    engine.fast_decode = fast_decode
+    batches = []
+    hook = engine.model.model.embed_tokens.register_forward_hook(lambda m, args, out: batches.append(args[0].shape))
+    try:
+        out = engine.generate(prompts, Sampling(n=4, temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=1))
+    finally:
+        hook.remove()
+    assert batches[0] == (len(prompts), max(map(len, prompts)))  # the prefill: 3 prompts, not 12 rows
+    assert all(b[0] == 4 * len(prompts) for b in batches[1:])  # then every row decodes
+    assert len({tuple(c.completion_ids) for c in out}) > len(prompts)  # a group's rows are sampled apart

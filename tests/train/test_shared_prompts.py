@@ -93,15 +93,29 @@ def test_packing_by_prompt_keeps_groups_whole():
         for k in range(4):
             n = 1 + (k + g) % 4  # every group has completions of 1..4 tokens
             comps.append(Completion([5 + g, 6, 7], list(range(8, 8 + n)), [0.0] * n, "", "stop", g))
-    budget = 8 * 7  # 8 rows of the longest (3 + 4) tokens: two whole groups
+    budget = 8 * 7  # 8 rows of the longest (3 + 4) tokens
     plain = make_micro_batches(Samples.of_call(comps), budget, pad_id=0)
+    budget = 2 * 2 + 8 * 4  # two whole groups as they run prompt-once: 2 prompts but their last token, 8 rows of 4
     grouped = make_micro_batches(Samples.of_call(comps), budget, pad_id=0, by_prompt=True)
     groups_of = lambda mb: [comps[i].prompt_index for i in mb.rows]  # noqa: E731
     assert any(0 < groups_of(mb).count(g) < 4 for mb in plain for g in set(groups_of(mb)))
     assert len(grouped) == 2 and sorted(r for mb in grouped for r in mb.rows) == list(range(16))
     for mb in grouped:
         assert all(groups_of(mb).count(g) == 4 for g in set(groups_of(mb)))
-        assert mb.shared.ids.shape[0] == 2 and mb.input_ids.numel() <= budget
+        assert mb.shared.ids.shape[0] == 2 and mb.shared.ids.numel() + mb.shared.inputs.numel() <= budget
+
+
+def test_a_long_prompts_group_is_sized_as_it_runs_prompt_once():
+    """8 completions of 4 tokens after one 100-token prompt: as 8 full sequences they need 832 token positions, as
+    they run (the prompt but its last token once, then each row's last prompt token and completion but its last)
+    99 + 8 x 4 = 131, so a budget of 131 takes the whole group in one micro-batch, which computes the prompt once
+    instead of 8 times."""
+    prompt = list(range(5, 105))
+    comps = [Completion(prompt, [7, 8, 9, 10], [0.0] * 4, "", "length", 0) for _ in range(8)]
+    grouped = make_micro_batches(Samples.of_call(comps), 131, pad_id=0, by_prompt=True)
+    assert [mb.rows for mb in grouped] == [list(range(8))]
+    assert grouped[0].shared.ids.numel() + grouped[0].shared.inputs.numel() == 131
+    assert len(make_micro_batches(Samples.of_call(comps), 130, pad_id=0, by_prompt=True)) == 2
 
 
 def test_length_buckets_are_the_cheapest_grouping():
