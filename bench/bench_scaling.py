@@ -34,7 +34,6 @@ SWEEPS = {
     "length": ("completion length", [replace(SMALL, name="length", prompts=4, generations=4, new_tokens=n,
                                              ignore_eos=True, micro_rows=8) for n in (32, 128, 512)]),
 }
-COLUMNS = ("s_step", "rollout", "logprobs", "update", "rss_mb")
 
 
 def exponent(xs: list[float], ys: list[float]) -> float:

@@ -327,7 +327,7 @@ def child(framework: str, w: Workload, model: Path, work: Path, steps: int, thre
     result = work / f"{framework}-{w.name}-{w.prompts}x{w.generations}x{w.new_tokens}-c{w.context}.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, str(Path(__file__).resolve().with_name("bench_trl.py")), "--child", framework,
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", framework,
            "--spec", w.to_json(), "--model", str(model), "--out", str(result), "--steps", str(steps),
            "--threads", str(threads), "--engine", engine]
     proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
