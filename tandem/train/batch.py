@@ -103,21 +103,19 @@ def pack(lengths: list[int], budget: int, groups: list[int] | None = None,
     out: list[list[int]] = []
     current: list[int] = []
     prompts: set[int] = set()
-    longest = head = tail = 0  # longest sequence; prompt-once: longest prompt but its last token, longest completion
+    head = tail = 0  # size = distinct prompts x longest head + rows x longest tail
     for i in order:
-        if shared:  # each row runs its prompt's last token and its completion but its last: completion-many tokens
-            new_head, new_tail = max(head, prompt_lengths[i] - 1), max(tail, lengths[i] - prompt_lengths[i])
-            size = len(prompts | {groups[i]}) * new_head + (len(current) + 1) * new_tail
-        else:
-            size = max(longest, lengths[i]) * (len(current) + 1)
-        if current and size > budget:
+        # plain: no head, the whole sequence is the tail; prompt-once: the prompt but its last token is the head, and
+        # each row runs its prompt's last token and its completion but its last: completion-many tokens
+        h, t = (prompt_lengths[i] - 1, lengths[i] - prompt_lengths[i]) if shared else (0, lengths[i])
+        heads = len(prompts | {groups[i]}) if shared else 0
+        if current and heads * max(head, h) + (len(current) + 1) * max(tail, t) > budget:
             out.append(sorted(current))
-            current, prompts, longest, head, tail = [], set(), 0, 0, 0
+            current, prompts, head, tail = [], set(), 0, 0
         current.append(i)
-        longest = max(longest, lengths[i])
         if shared:
             prompts.add(groups[i])
-            head, tail = max(head, prompt_lengths[i] - 1), max(tail, lengths[i] - prompt_lengths[i])
+        head, tail = max(head, h), max(tail, t)
     if current:
         out.append(sorted(current))
     return out
