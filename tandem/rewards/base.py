@@ -4,12 +4,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
+
+from tandem.plugins import import_plugin
 
 log = logging.getLogger("tandem.rewards")
 
@@ -51,26 +52,11 @@ def register_reward(name: str, batched: bool = False, inline: bool = False):
 
 
 def resolve_reward(name: str) -> RewardFn:
-    """A registered name, or a user plugin given by import path `package.module:function`, looked for on sys.path
-    and in the current directory (where `python -m tandem.cli` finds it, and the `tandem` script, whose sys.path[0]
-    is its bin folder, would not)."""
+    """A registered name, or a user plugin given by import path `package.module:function` (`import_plugin`)."""
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        import importlib
-
-        module, _, attr = name.partition(":")
-        if os.getcwd() not in sys.path:  # appended, so an installed module of the same name still wins
-            sys.path.append(os.getcwd())
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except ImportError as exc:
-            raise ValueError(f"reward plugin {name!r}: cannot import {module!r} ({type(exc).__name__}: {exc}); a "
-                             f"plugin module must be in the current directory ({os.getcwd()}) or on PYTHONPATH")
-        except AttributeError:
-            raise ValueError(f"reward plugin {name!r}: module {module!r} has no function {attr!r}") from None
-        if not callable(fn):
-            raise ValueError(f"reward plugin {name!r}: {attr!r} is a {type(fn).__name__}, not a function")
+        fn = import_plugin("reward", name)
         return RewardFn(name, fn, bool(getattr(fn, "batched", False)), bool(getattr(fn, "inline", False)))
     import difflib
 

@@ -24,16 +24,15 @@ from __future__ import annotations
 import ast
 import decimal
 import difflib
-import importlib
 import inspect
 import math
 import operator
-import os
 import re
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from tandem.plugins import import_plugin
 
 ERRORS = ("bad_call", "timeout", "crashed", "too_long")  # the values ToolResult.error / StepResult.error may take
 
@@ -94,24 +93,11 @@ def register_environment(name: str):
 
 
 def _resolve(registry: Mapping[str, Callable], kind: str, name: str) -> Callable:
-    """A registered factory, or a plugin "module:function" imported from sys.path or the current directory (as
-    rewards are: tandem.rewards.base.resolve_reward)."""
+    """A registered factory, or a plugin "module:function" (`tandem.plugins.import_plugin`, as for rewards)."""
     if name in registry:
         return registry[name]
     if ":" in name:
-        module, _, attr = name.partition(":")
-        if os.getcwd() not in sys.path:  # appended, so an installed module of the same name still wins
-            sys.path.append(os.getcwd())
-        try:
-            factory = getattr(importlib.import_module(module), attr)
-        except ImportError as exc:
-            raise ValueError(f"{kind} plugin {name!r}: cannot import {module!r} ({type(exc).__name__}: {exc}); a "
-                             f"plugin module must be in the current directory ({os.getcwd()}) or on PYTHONPATH")
-        except AttributeError:
-            raise ValueError(f"{kind} plugin {name!r}: module {module!r} has no attribute {attr!r}") from None
-        if not callable(factory):
-            raise ValueError(f"{kind} plugin {name!r}: {attr!r} is a {type(factory).__name__}, not a factory function")
-        return factory
+        return import_plugin(kind, name, "factory function")
     near = difflib.get_close_matches(name, list(registry), n=1)
     hint = f"; did you mean {near[0]!r}?" if near else ""
     raise KeyError(f"unknown {kind} {name!r}{hint} (registered: {', '.join(sorted(registry)) or 'none'}; or give a "
