@@ -23,8 +23,8 @@ EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
 @dataclass(frozen=True)
-class DemoModelSpec:
-    """What the demo builds; any change gives a new cache folder."""
+class DemoShape:
+    """The tiny Qwen2 both demo models are (`build_model`), and the seed of its weights and warm start."""
 
     hidden_size: int = 128
     layers: int = 2
@@ -33,6 +33,12 @@ class DemoModelSpec:
     intermediate_size: int = 512
     vocab_size: int = 300
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class DemoModelSpec(DemoShape):
+    """What the demo builds; any change gives a new cache folder."""
+
     warm_lr: float = 1e-3
     warm_batch: int = 64
     # The cold-start data come from an imperfect teacher that forgets to carry this often (questions without a
@@ -64,7 +70,7 @@ def build_tokenizer(texts: list[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD)
 
 
-def build_model(spec: DemoModelSpec, tokenizer):
+def build_model(spec: DemoShape, tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
@@ -186,16 +192,9 @@ def cached_model(name: str, spec, build: Callable[[], tuple], root: Path | None,
 
 
 @dataclass(frozen=True)
-class ToolDemoSpec:
+class ToolDemoSpec(DemoShape):
     """What the tool demo builds; any change gives a new cache folder."""
 
-    hidden_size: int = 128
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate_size: int = 512
-    vocab_size: int = 300
-    seed: int = 0
     warm_lr: float = 3e-3
     warm_batch: int = 32  # more, smaller steps: copying is learnt in steps, not in samples
     # The cold-start data come from an imperfect teacher that calls the calculator this often (and then copies its
@@ -346,34 +345,3 @@ def tool_demo_model(spec: ToolDemoSpec = ToolDemoSpec(), root: Path | None = Non
         f"{f['warm_start_steps']} steps: greedy accuracy {100 * f['greedy']['accuracy']:.1f}%, tool calls "
         f"{100 * f['greedy']['tool_rate']:.1f}%; at temperature 1 accuracy {100 * f['temperature_1']['accuracy']:.1f}%, "
         f"tool calls {100 * f['temperature_1']['tool_rate']:.1f}%"))
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tooldemo-{key}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the warm start's figures depend on it; one thread is also fastest here
-    try:
-        tokenizer = build_tokenizer(multiply.corpus(), spec.vocab_size)
-        add_tool_tokens(tokenizer)
-        model = build_model(spec, tokenizer)
-        greedy, steps = tool_warm_start(model, tokenizer, spec)
-        held = multiply.rows("test")[:300]
-        sampled = tool_figures(model, tokenizer, held, 1.0, seed=spec.seed)
-    finally:
-        torch.set_num_threads(threads)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    seconds = round(time.perf_counter() - start, 1)
-    (tmp / "tandem_demo.json").write_text(json.dumps(
-        {"spec": asdict(spec), "greedy": greedy, "temperature_1": sampled, "warm_start_steps": steps,
-         "seconds": seconds}, indent=2))
-    try:
-        os.rename(tmp, final)  # atomic: a concurrent builder that finished first wins, ours is dropped
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("tool demo model ready at %s in %.0f s (%d steps): greedy accuracy %.1f%%, tool calls %.1f%%; at "
-             "temperature 1 accuracy %.1f%%, tool calls %.1f%%", final, seconds, steps, 100 * greedy["accuracy"],
-             100 * greedy["tool_rate"], 100 * sampled["accuracy"], 100 * sampled["tool_rate"])
-    return final
