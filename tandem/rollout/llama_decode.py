@@ -49,10 +49,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 # Hold a group's prompt once (split attention) when the keys and values its rows would otherwise each hold and read
 # again, per layer, reach this many bytes; below it they are copied out to every row and attention is one SDPA call.
-# The split costs ~15 more small tensor ops per layer, which few repeated keys do not repay. Measured on one CPU
-# thread (hf engine, fixed-length rollouts): 16 rows of 4 prompts of 6 tokens (73 KB) 1.07x slower split, of
-# 32 tokens (393 KB) 1.13x slower; 64 tokens (786 KB) 0.86x; bench_trl's large workload, 128 rows of 16 prompts of
-# 6 tokens (1.4 MB), 0.91x; 2 prompts of 256 tokens, 32 rows each, 0.54x.
+# The split costs ~15 more small tensor ops per layer, which few repeated keys do not repay. `bench/
+# bench_prompt_sharing.py` (one CPU thread, fixed-length rollouts), shared / per-row time: 74-86 KB repeated (16 rows
+# of 6-token prompts) 0.99-1.04; 393 KB 0.87 in one run and 1.13 in an earlier ad-hoc one (the crossover is within
+# this machine's noise); 786 KB 0.85; bench_trl's large rollout (1.4 MB) 0.95; 2 prompts of 256 tokens x 32 rows
+# (16 MB) 0.51. The threshold sits above the noisy band.
 SHARED_PROMPT_MIN_BYTES = 512 << 10
 
 
