@@ -10,6 +10,7 @@ import time
 
 from tandem.config import ConfigError, config_reference, load_config
 from tandem.signals import Stopped
+from tandem.workers.group import WorkerError
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, KeyError)
 
@@ -76,9 +77,16 @@ def _eval(args) -> int:
 
 
 def _export(args) -> int:
+    from pathlib import Path
+
+    from tandem import checkpoint
     from tandem.train.lora import export_merged
 
-    print(export_merged(args.checkpoint, args.out, args.base, args.dtype))
+    folder = Path(args.checkpoint)
+    damage = checkpoint.problems(folder) if (folder / "trainer_state.json").is_file() else []
+    if damage:  # a flipped bit would be merged into the export silently
+        raise ValueError(f"export: checkpoint {args.checkpoint} is damaged: {'; '.join(damage)}; export another one")
+    print(export_merged(args.checkpoint, args.out, args.base, args.dtype, force=args.force))
     return 0
 
 
@@ -124,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--base", help="the base model folder, if not where adapter_config.json says (moved since)")
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the merged weights")
+    x.add_argument("--force", action="store_true", help="replace `out` if it exists (refused otherwise)")
     x.set_defaults(fn=_export)
 
     c = sub.add_parser("config", help="print the resolved config, or the reference of every field (--doc)")
@@ -160,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerError as exc:  # a worker died or failed: its one-line summary names it; the trace is noise
+        if args.verbose:
+            raise
+        logging.getLogger("tandem").debug("the controller's traceback", exc_info=True)
+        resume = f"; what it saved is resumed with: {_commands(argv)[0]}" if args.command in ("train", "demo") else ""
+        print(f"tandem: error: {exc}\ntandem: the run stopped{resume} (-v prints the traceback)", file=sys.stderr)
+        return 1
     except Stopped as stop:  # SIGTERM or SIGINT during a run: one line, no traceback (tandem.signals)
         print(f"tandem: {stop.describe(*_commands(argv))}", file=sys.stderr)
         return stop.exit_code

@@ -352,10 +352,12 @@ class RewardPoolConfig(Section):
     )
     max_error_rate: float = Field(
         0.5, ge=0.0, le=1.0, description="Stop the run when a reward fails (any kind, budget included) on more than "
-        "this fraction of the samples of the last 3 steps; the error names the reward, its rate and its last error. "
-        "reward/error_rate/<name> is each step's fraction. 0.5: a reward that cannot work (an import error, a "
-        "missing row field, a hang) fails on ~100% from step 1, while a few bad rows or timeouts are a few percent; "
-        "the window keeps one bad step from stopping the run. 1 = never stop. Evaluation does not count.",
+        "this fraction of the samples of the steps so far, the last 3 at most; the error names the reward, its rate "
+        "and its last error. reward/error_rate/<name> is each step's fraction. So step 1 is judged alone: a reward "
+        "that cannot work (an import error, a missing row field, a hang) fails on ~100% from step 1 and stops the "
+        "run there, before it trains on zeros. Later, one bad step among good ones passes (a step failing "
+        "everywhere after one clean step is 50% of two steps, not above 0.5) and a second in a row stops the run; a "
+        "few bad rows or timeouts are a few percent. 1 = never stop. Evaluation does not count.",
     )
 
 
@@ -404,6 +406,18 @@ class PlacementConfig(Section):
     )
     cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker (and its torch threads).")
     gpus_per_worker: int = Field(0, ge=0, le=1, description="GPUs per worker (0 on CPU machines).")
+    train_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources each training worker reserves beside its CPUs and "
+        "GPUs (split: each trainer; colocate: every worker): only a node that has them free can hold it, which is how "
+        "roles go to chosen nodes of a cluster (`ray_address`). Start nodes with a resource of their own (`ray start "
+        "--resources='{\"trainer_node\": 8}'`) and ask for it here (`{trainer_node: 1}`: up to 8 such workers a "
+        "node), or name one node by Ray's own `node:<ip>` resource (`{'node:10.0.0.5': 0.01}`). Empty = anywhere "
+        "with room (Ray packs each group on as few nodes as it can). Tested on a simulated two-node cluster.",
+    )
+    rollout_resources: dict[str, float] = Field(
+        default_factory=dict, description="split: the same for each sampler (e.g. `{sampler_node: 1}`), so that "
+        "samplers and trainers run on nodes of their own; empty = anywhere with room.",
+    )
     call_timeout_s: float = Field(
         0.0, ge=0.0, description="A worker call running longer than this stops the run with an error naming the "
         "workers still running; 0 = no limit. Dead workers are detected without it.",
@@ -414,6 +428,25 @@ class PlacementConfig(Section):
         "the peer; the wait for the trainers to start sending (they train first) has no such limit. 300 s: far "
         "above a 64 MiB bucket on any link, short enough that a stalled sync does not hang a run for long.",
     )
+
+    @model_validator(mode="after")
+    def _resource_checks(self) -> "PlacementConfig":
+        """Per-role Ray resources: custom ones only, positive, and only where a worker of that role runs on Ray."""
+        for name in ("train_resources", "rollout_resources"):
+            for key, amount in getattr(self, name).items():
+                if key in ("CPU", "GPU"):
+                    raise ConfigError(f"placement.{name}: {key!r} is placement.{key.lower()}s_per_worker's; list "
+                                      "only custom resources here")
+                if not amount > 0:
+                    raise ConfigError(f"placement.{name}: {key}={amount} reserves nothing; ask for an amount > 0 "
+                                      "(e.g. 1, or 0.01 of a node:<ip> resource)")
+        if self.backend == "local" and (self.train_resources or self.rollout_resources):
+            raise ConfigError("placement.train_resources and rollout_resources place Ray workers on nodes: they need "
+                              "placement.backend: ray (the local backend runs in this process)")
+        if self.mode == "colocate" and self.rollout_resources:
+            raise ConfigError("placement.rollout_resources: colocated workers sample where they train; place them "
+                              "with placement.train_resources, or use placement.mode: split")
+        return self
 
 
 class Config(Section):
@@ -547,9 +580,56 @@ class Config(Section):
         return self
 
 
+# Other frameworks' names for tandem's fields (TRL's GRPOConfig and transformers' TrainingArguments, verl's and
+# OpenRLHF's options), by the key's last part (or its dotted path, where a section gives it another meaning): a user
+# who brings a config from one of them is told the field. (name -> (tandem's field, who calls it so))
+KNOWN_ALIASES = {
+    "learning_rate": ("optim.lr", "TRL/transformers"), "actor_learning_rate": ("optim.lr", "OpenRLHF"),
+    "max_grad_norm": ("optim.grad_clip", "TRL/transformers"), "grad_clip": ("optim.grad_clip", "verl"),
+    "adam_epsilon": ("optim.eps", "transformers"), "lr_scheduler_type": ("optim.schedule", "transformers"),
+    "num_generations": ("batch.group_size", "TRL"), "n_samples_per_prompt": ("batch.group_size", "OpenRLHF"),
+    "n": ("batch.group_size", "verl (rollout.n)"), "train_batch_size": ("batch.prompts_per_step", "verl"),
+    "rollout_batch_size": ("batch.prompts_per_step", "OpenRLHF"),
+    "beta": ("algo.kl_coef", "TRL"), "kl_loss_coef": ("algo.kl_coef", "verl"), "init_kl_coef": ("algo.kl_coef", "OpenRLHF"),
+    "kl_loss_type": ("algo.kl_estimator", "verl"), "kl_estimator_type": ("algo.kl_estimator", "OpenRLHF"),
+    "epsilon": ("algo.clip_low", "TRL"), "epsilon_high": ("algo.clip_high", "TRL"),
+    "clip_ratio": ("algo.clip_low and algo.clip_high", "verl"), "clip_ratio_low": ("algo.clip_low", "verl"),
+    "clip_ratio_high": ("algo.clip_high", "verl"), "eps_clip": ("algo.clip_low and algo.clip_high", "OpenRLHF"),
+    "num_iterations": ("algo.mu", "TRL"), "ppo_epochs": ("algo.mu", "verl"), "loss_type": ("algo.loss_agg", "TRL"),
+    "loss_agg_mode": ("algo.loss_agg", "verl"), "adv_estimator": ("algo.advantage", "verl"),
+    "entropy_coeff": ("algo.entropy_coef", "verl"), "mask_truncated_completions": ("algo.mask_truncated", "TRL"),
+    "max_completion_length": ("rollout.max_new_tokens", "TRL"), "response_length": ("rollout.max_new_tokens", "verl"),
+    "generate_max_len": ("rollout.max_new_tokens", "OpenRLHF"), "max_prompt_length": ("data.max_prompt_tokens", "TRL/verl"),
+    "prompt_max_len": ("data.max_prompt_tokens", "OpenRLHF"), "use_vllm": ("rollout.engine", "TRL"),
+    "vllm_mode": ("rollout.vllm.mode", "TRL"), "tensor_model_parallel_size": ("rollout.tensor_parallel", "verl"),
+    "vllm_tensor_parallel_size": ("rollout.tensor_parallel", "TRL/OpenRLHF"),
+    "max_steps": ("run.steps", "TRL/transformers"), "total_training_steps": ("run.steps", "verl"),
+    "save_steps": ("run.save_every", "TRL/transformers"), "save_freq": ("run.save_every", "verl"),
+    "eval_steps": ("run.eval_every", "TRL/transformers"), "test_freq": ("run.eval_every", "verl"),
+    "model_name_or_path": ("model.path", "TRL/transformers"), "pretrain": ("model.path", "OpenRLHF"),
+    "torch_dtype": ("model.dtype", "transformers"), "lora_rank": ("lora.rank", "verl/OpenRLHF"),
+    "lora_r": ("lora.rank", "PEFT"), "lora_alpha": ("lora.alpha", "PEFT/verl"),
+    "lora_dropout": ("lora.dropout", "PEFT"), "use_peft": ("lora.enabled", "TRL"),
+    "optim.epsilon": ("optim.eps", "AdamW"),  # in the optimizer's section it is AdamW's, not TRL's clip
+}
+
+
 def _suggest(key: str, options) -> str:
     near = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
     return f"; did you mean {near[0]!r}?" if near else ""
+
+
+def _unknown_key_hint(key: str, section: str, options) -> str:
+    """A hint for an unknown `key` in dotted `section`: another framework's name for a tandem field
+    (KNOWN_ALIASES), else the nearest valid key there."""
+    alias = KNOWN_ALIASES.get(f"{section}.{key}") or KNOWN_ALIASES.get(key)
+    if alias is None:
+        return _suggest(key, options)
+    target, who = alias
+    target_section, _, field = target.rpartition(".")
+    if target_section == section and field in options:
+        return f"; did you mean {field!r}? ({key!r} in {who})"
+    return f"; tandem calls it {target} ({key!r} in {who})"
 
 
 def _section_fields(path: tuple) -> list[str]:
@@ -577,7 +657,8 @@ def _format_errors(err: ValidationError) -> str:
         loc = tuple(e["loc"])
         where = ".".join(str(p) for p in loc) or "config"
         if e["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key{_suggest(str(loc[-1]), _section_fields(loc[:-1]))}")
+            section = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
+            lines.append(f"{where}: unknown key{_unknown_key_hint(str(loc[-1]), section, _section_fields(loc[:-1]))}")
         elif e["type"] == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
             lines.append(str(e["ctx"]["error"]))
         else:
@@ -618,6 +699,32 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, first_line: int, line: int):
+        super().__init__(key, first_line, line)
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently: a second
+    `batch:` section would drop the first one's keys). Keys a merge (`<<: *base`) brings in may be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the constructor below reports it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise _DuplicateKey(key, first, key_node.start_mark.line + 1)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 defaults: list[str] | None = None) -> Config:
     """`defaults` (dotted, e.g. a recipe's), then the YAML file, then `overrides`, validated together.
@@ -630,7 +737,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        except _DuplicateKey as dup:
+            raise ConfigError(f"config file {str(p)!r}: key {dup.key!r} appears twice in one mapping, at lines "
+                              f"{dup.first_line} and {dup.line}; YAML would keep only the second and drop the first "
+                              "one's settings silently: merge them into one") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -153,6 +153,10 @@ def _starting_point(out: Path, start: Start) -> Path | None:
     for step, folder in reversed(found):
         problems = checkpoint.problems(folder)
         if not problems:
+            unverified = checkpoint.unverified(folder)
+            if unverified:
+                log.warning("checkpoint %s cannot be verified: %s; its headers and sizes were checked, not its bytes",
+                            folder, unverified)
             resume_history(out / METRICS_FILE, step)  # checked now, before the models load
             for bad, why in rejected:  # out of the way of pruning and "latest", kept for inspection
                 aside = bad.with_name(bad.name + ".bad")

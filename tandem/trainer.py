@@ -15,7 +15,7 @@ from tandem.architectures import check_supported
 from tandem.rollout.multiturn import conversation_stats
 from tandem.train import lora
 from tandem.algo import ADVANTAGES, first_k_groups, nonzero_variance_groups, overlong_penalty, truncation_mask
-from tandem.config import Config
+from tandem.config import Config, ConfigError
 from tandem.data.sources import Prompt, PromptStream, load_task_rows, tokenize_rows
 from tandem.evaluation import evaluate
 from tandem.metrics import METRICS_FILE, MetricsLog
@@ -78,6 +78,7 @@ def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool
         torch.set_num_threads(cfg.run.threads)
     check_model_folder(cfg.model.path)
     check_supported(cfg)  # the architecture in this engine and placement, before any model loads
+    placement.check_devices(cfg)  # and the devices that placement needs
     lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)  # adapters PEFT can place, on no weights
     if cfg.env.name:  # the environment resolves and takes its arguments, before any model loads
         from tandem.rollout.tools import make_environment
@@ -101,6 +102,8 @@ def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool
             start = {True: "resume", False: "start"}.get(resume, resume)
             lock, last = claim(Path(cfg.run.output_dir), start)
             undo.callback(lock.release)
+            if last is not None:
+                _refuse_nothing_to_train(cfg, last)
         pool = cfg.reward_pool
         scorer = RewardScorer(cfg.rewards, timeout_s=pool.timeout_s, workers=pool.workers,
                               step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate)
@@ -123,6 +126,16 @@ def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool
         run.rollouts = Rollouts(run)
         undo.pop_all()
     return run
+
+
+def _refuse_nothing_to_train(cfg: Config, last: Path) -> None:
+    """A resume whose run.steps the checkpoint has reached already would exit having done nothing: refuse it."""
+    step = int(checkpoint.STEP_DIR.match(last.name).group(1))  # its trainer state agrees (checkpoint.problems)
+    if cfg.run.steps <= step:
+        raise ConfigError(
+            f"run.steps: {cfg.run.steps}, but the run in {cfg.run.output_dir} is at step {step} already "
+            f"({last.name}): resuming it would train nothing. Raise run.steps above {step} to train further, or "
+            f"evaluate the checkpoint: tandem eval ... --model {last}")
 
 
 def sampling_for(cfg: Config, seed: int) -> Sampling:

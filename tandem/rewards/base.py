@@ -93,8 +93,9 @@ class RewardErrorRateExceeded(ValueError):
 class ErrorRateLimit:
     """Stops a run whose reward fails on most samples instead of training on its zeros (the silent-zero class of
     bug: a reward that cannot import, reads a missing field, or hangs everywhere still "scores" every sample).
-    The rate is taken over the samples of the last `window` steps, so one bad step after good ones does not stop
-    the run, while a reward broken from the start stops it at step 1."""
+    The rate is taken over the samples of the steps so far, the last `window` at most: step 1 is judged alone, so a
+    reward broken from the start stops the run at step 1; after that, one bad step among good ones does not stop
+    it (at 0.5, a step failing everywhere after one clean step is 50% of the two), a second in a row does."""
 
     def __init__(self, max_rate: float, window: int = 3):
         self.max_rate = max_rate

@@ -326,9 +326,15 @@ def run_program(sock):
         flush()
         send(sock, ("load_error", f"{type(exc).__name__}: {exc}"[:300]))
         os._exit(1)
-    names = []
+    import types
+
+    names = []  # what the harness may bind of the program (it decides; see tests_namespace)
     for name, value in list(g.items()):
-        if name.startswith("__") or type(value).__name__ == "module":
+        if name.startswith("__"):
+            continue
+        if isinstance(value, types.ModuleType):  # the harness imports its own: only the module's name crosses
+            module_name = getattr(value, "__name__", None)
+            names.append((name, "module", module_name if type(module_name) is str else ""))
             continue
         try:
             names.append((name, "value", plain(value)))
@@ -439,14 +445,65 @@ def remote_class(sock, loads):
     return Remote
 
 
-def run_harness(sock):
+def tests_namespace(program_names, tests_src, Remote):
+    """The globals the tests run in. Of the program they see its functions, classes and other objects as handles
+    (`Remote`) and its plain data as values, never a name of a builtin: `abs`, `len`, `set` in the tests are the
+    harness's own. Every module is the harness's own import: an alias the program imported (`import numpy as np`)
+    is the harness's import of the same module, a module name the tests use as one (`math.isclose(...)`) is the
+    harness's `math` whatever the program bound to that name, and one the tests name without importing it (MBPP's
+    tests use the solution's `import math`) is imported for them. Only the standard library and the allowed
+    packages can be imported here, and a module the program names that cannot be is left out (a test using it
+    fails)."""
+    import ast
     import builtins
+    import importlib
+    import importlib.util
+
+    def harness_import(module_name):
+        top = module_name.partition(".")[0]
+        try:
+            if top.isidentifier() and (top in sys.stdlib_module_names or importlib.util.find_spec(top)):
+                return importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001 - not importable here: the name stays unbound
+            pass
+        return None
+
+    try:
+        nodes = list(ast.walk(ast.parse(tests_src)))
+    except (SyntaxError, ValueError):
+        nodes = []  # the tests do not compile: exec reports it
+    used = {n.id for n in nodes if isinstance(n, ast.Name)}
+    used_as_module = {n.value.id for n in nodes if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+    builtin_names = set(vars(builtins))
+    ns = {"__name__": "__tandem_tests__", "__builtins__": builtins}
+    for name, kind, value in program_names:
+        name = str(name)
+        if not name.isidentifier() or name.startswith("__") or name in builtin_names:
+            continue
+        if kind == "value":
+            ns[name] = value
+        elif kind == "object":
+            ns[name] = Remote(("g", name))
+        elif kind == "module":
+            module = harness_import(str(value))
+            if module is not None:
+                ns[name] = module
+    for name in sorted(used - builtin_names):
+        if name in used_as_module or name not in ns:
+            module = harness_import(name)
+            if module is not None:
+                ns[name] = module
+    return ns
+
+
+def run_harness(sock):
     import pickle
 
     loads = plain_loads_function()
     Remote = remote_class(sock, loads)
     close_fds_except(sock.fileno(), report, tests_fd)
     confine(uid_b, "/")
+    sys.path[:] = [p for p in sys.path if p] + extra_paths  # the allowed packages, for the tests' own imports
     if libc is not None:
         libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     with os.fdopen(tests_fd, encoding="utf-8") as f:
@@ -464,9 +521,7 @@ def run_harness(sock):
     if first[0] != "ready":
         verdict(0, f"the solution did not load: {first[1] if len(first) > 1 else first!r}")
         return
-    ns = {"__name__": "__tandem_tests__", "__builtins__": builtins}
-    for name, kind, value in first[1]:
-        ns[str(name)] = value if kind == "value" else Remote(("g", str(name)))
+    ns = tests_namespace(first[1], tests_src, Remote)
     try:
         exec(compile(tests_src, "tests.py", "exec"), ns)
     except BaseException as exc:  # noqa: BLE001 - any way out of the tests but their end is a failure

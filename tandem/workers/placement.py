@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tandem.config import Config
+from tandem.config import Config, ConfigError
 from tandem.rollout import Completion, Samples, Sampling
 from tandem.workers.balance import balance
 from tandem.workers.group import LocalWorkerGroup, Pending, WorkerGroup
@@ -158,7 +158,7 @@ def build(cfg: Config) -> Placement:
         # run's leftovers then never collide with the next start
         shm_ident = f"tandem-{uuid.uuid4().hex[:12]}"
         worker = functools.partial(HybridWorker, cfg, shm_ident=shm_ident)
-        (group,) = start_groups([GroupSpec("hybrid", worker, pl.workers, **res)],
+        (group,) = start_groups([GroupSpec("hybrid", worker, pl.workers, **res, resources=pl.train_resources)],
                                 address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
         tp = cfg.rollout.tensor_parallel if cfg.rollout.engine == "vllm" else 1
         placement = Placement(group, group, split=False, groups=[group], engine_tp=tp)
@@ -172,8 +172,10 @@ def build(cfg: Config) -> Placement:
     # The samplers join no torch world (a vLLM engine would adopt it and hang on collectives the trainers never
     # make); weights reach them over a channel of their own, for every engine alike.
     trainers, samplers = start_groups(
-        [GroupSpec("trainers", functools.partial(TrainWorker, cfg), pl.train_workers, **res),
-         GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res, join_world=False)],
+        [GroupSpec("trainers", functools.partial(TrainWorker, cfg), pl.train_workers, **res,
+                   resources=pl.train_resources),
+         GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res, join_world=False,
+                   resources=pl.rollout_resources)],
         address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
     placement = Placement(trainers, samplers, split=True, groups=[trainers, samplers])
     try:
@@ -191,3 +193,18 @@ def build(cfg: Config) -> Placement:
         placement.shutdown()
         raise
     return placement
+
+
+def check_devices(cfg: Config) -> None:
+    """Refuse, before any model loads, a placement this machine's devices cannot run (ConfigError)."""
+    r, pl = cfg.rollout, cfg.placement
+    if r.engine == "vllm" and r.tensor_parallel > 1 and pl.backend == "local":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < r.tensor_parallel:
+            # vLLM on CPU binds each of its own TP ranks to a NUMA node ("Not enough allowed NUMA nodes", after
+            # the model has loaded); a TP engine over colocated Ray workers runs on any CPU.
+            raise ConfigError(
+                f"rollout.tensor_parallel: {r.tensor_parallel} with placement.backend: local starts vLLM's own "
+                f"tensor-parallel processes, one per GPU, and this machine has {gpus}; on CPU an engine spans "
+                f"colocated Ray workers instead: placement.backend=ray placement.workers={r.tensor_parallel} (a "
+                "multiple of rollout.tensor_parallel), or rollout.tensor_parallel=1")

@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -20,6 +20,9 @@ from tandem.workers.group import WorkerContext, WorkerError
 
 CLOSE_TIMEOUT_S = 10.0  # a worker's close() is best effort: a hung one must not hang shutdown
 FAILURE_GRACE_S = 2.0  # after a first failure, how long the other workers' outcomes may take to arrive
+# A worker on a node that went down is first only "unavailable" to Ray: its node is declared dead once its health
+# checks fail (about 15 s at Ray's defaults). The report waits that long, at most, to say which it was.
+UNREACHABLE_GRACE_S = 30.0
 # A call's arguments at least this large (pickled) go to a group's actors as one object-store ref: Ray inlines
 # smaller ones in each call (its max_direct_call_object_size, 100 KiB), which is cheaper than a put and a fetch.
 SHARED_ARGS_MIN_BYTES = 100 * 1024
@@ -195,6 +198,9 @@ class GroupSpec:
     # False: these workers join no torch.distributed world (ctx.group None). vLLM samplers need that: an engine
     # adopts a world it finds and makes collective calls over it that the other groups never make.
     join_world: bool = True
+    # Ray custom resources each worker reserves beside its CPUs and GPUs (in its placement bundle): only nodes that
+    # have them can hold it, which is how a group goes to chosen nodes, e.g. {"trainer_node": 1}
+    resources: dict[str, float] = field(default_factory=dict)
 
 
 class _Gang:
@@ -248,10 +254,34 @@ class _Gang:
             _release_ray()
 
 
+def _settled(actor: Any, exc: BaseException, wait_s: float = UNREACHABLE_GRACE_S) -> BaseException:
+    """What became of an actor Ray called unavailable (its node stopped answering): Ray's verdict once its health
+    checks settle it, asked by calling the actor (a dead one's call fails with the cause); `exc` itself if the actor
+    answers, or nothing is settled within `wait_s`."""
+    ray = import_ray()
+    if not isinstance(exc, ray.exceptions.ActorUnavailableError):
+        return exc
+    deadline = time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            ray.get(actor.address.remote(), timeout=left)
+            return exc  # it answers: the call was lost on the way
+        except ray.exceptions.ActorUnavailableError:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        except ray.exceptions.GetTimeoutError:
+            return exc
+        except Exception as verdict:
+            return verdict
+    return exc
+
+
 def _describe(exc: BaseException) -> tuple[str, str]:
     """('died' or 'failed', one line): the remote traceback's last line, or why the actor's process ended."""
     ray = import_ray()
     exceptions = ray.exceptions
+    if isinstance(exc, exceptions.ActorUnavailableError):  # not declared dead (yet): say no more than Ray knows
+        text = " ".join(str(exc).split())
+        return "died", f"unreachable (its process or its node stopped answering): {text[:200]}"
     if isinstance(exc, exceptions.RayTaskError):
         lines = [line for line in str(exc).splitlines() if line.strip()]
         return "failed", lines[-1].strip() if lines else type(exc).__name__
@@ -261,6 +291,10 @@ def _describe(exc: BaseException) -> tuple[str, str]:
         pid, ip = re.search(r"\bpid: (\d+)", text), re.search(r"\bip: (\S+)", text)
         detail = re.search(r"exit detail: (.+?\.)(?: |$)", text)
         where = f"process {pid.group(1)}" + (f" on {ip.group(1)}" if ip else "") if pid else "its process"
+        node = re.search(r"its node has died\. Node Id: (\w+)\s*(.*)", text)
+        if node:  # the whole node went (machine, raylet): which one, and why Ray thinks so
+            why = f" ({node.group(2)[:200]})" if node.group(2) else ""
+            return "died", f"{where} ended: its node {node.group(1)} died{why}"
         return "died", f"{where} ended: {detail.group(1) if detail else text[:200]}"
     return "failed", f"{type(exc).__name__}: {exc}"
 
@@ -317,6 +351,8 @@ class RayPending:
         if earlier is not None:
             msg = f"worker {rank}/{group.size} of {group.name!r} was stopped in {self.method} by an earlier failure: {earlier}"
         else:
+            exc = _settled(group.actors[rank], exc)
+            kind, line = _describe(exc)
             msg = f"worker {rank}/{group.size} of {group.name!r} {kind} in {self.method}: {line}"
             if len(failures) > 1:
                 msg += f" (and {len(failures) - 1} more of this call's workers failed)"
@@ -324,6 +360,7 @@ class RayPending:
             if death is not None:
                 other, j, exc = death
                 dead_group, dead_rank, _ = other._entries[j]
+                exc = _settled(dead_group.actors[dead_rank], exc)
                 msg = (f"worker {dead_rank}/{dead_group.size} of {dead_group.name!r} died in {other.method}: "
                        f"{_describe(exc)[1]} (then {msg})")
             self.gang.fail(msg)
@@ -574,6 +611,10 @@ def _checked_specs(specs: Sequence[GroupSpec | tuple]) -> list[GroupSpec]:
     joined = [s.join_world for s in specs]
     if joined != sorted(joined, reverse=True):  # the world's ranks are then the first global ranks
         raise ValueError(f"start_groups: groups with join_world=False must come after the others, got {names}")
+    for s in specs:
+        if any(k in ("CPU", "GPU") or not v > 0 for k, v in s.resources.items()):
+            raise ValueError(f"start_groups: group {s.name!r} resources {s.resources} must be positive custom "
+                             "resources (CPUs and GPUs are cpus_per_worker and gpus_per_worker)")
     return specs
 
 
@@ -583,13 +624,15 @@ def _place(specs: list[GroupSpec], timeout_s: float, placements: list[Any]) -> N
     ray = import_ray()
     from ray.util.placement_group import placement_group
 
+    bundles = {s.name: {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {}),
+                        **s.resources} for s in specs}
     for s in specs:
-        bundle = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
-        placements.append(placement_group([dict(bundle) for _ in range(s.size)], strategy="PACK"))
+        placements.append(placement_group([dict(bundles[s.name]) for _ in range(s.size)], strategy="PACK"))
     ready, _ = ray.wait([p.ready() for p in placements], num_returns=len(placements), timeout=timeout_s)
     if len(ready) != len(placements):
-        raise WorkerError(f"could not place {[(s.name, s.size, s.cpus_per_worker, s.gpus_per_worker) for s in specs]}"
-                          f" within {timeout_s:.0f} s; the cluster has {ray.available_resources()} free")
+        asked = "; ".join(f"{s.name}: {s.size} x {bundles[s.name]}" for s in specs)
+        raise WorkerError(f"could not place {asked} within {timeout_s:.0f} s; the cluster has "
+                          f"{ray.available_resources()} free")
 
 
 def _start_actors(gang: _Gang, specs: list[GroupSpec], placements: list[Any], call_timeout_s: float | None,

@@ -29,6 +29,34 @@ def test_unknown_key_suggests_nearest(tmp_path):
         load_config(p)
 
 
+@pytest.mark.parametrize("override, hint", [
+    ("optim.learning_rate=1e-5", r"optim\.learning_rate: unknown key; did you mean 'lr'\? \('learning_rate' in TRL"),
+    ("batch.num_generations=4", r"did you mean 'group_size'\? \('num_generations' in TRL\)"),
+    ("algo.beta=0.04", r"algo\.beta: unknown key; did you mean 'kl_coef'\? \('beta' in TRL\)"),
+    ("algo.epsilon=0.2", r"did you mean 'clip_low'\?"),
+    ("optim.epsilon=1e-6", r"did you mean 'eps'\?"),
+    ("algo.num_generations=4", r"algo\.num_generations: unknown key; tandem calls it batch\.group_size"),
+    ("learning_rate=1e-5", r"learning_rate: unknown key; tandem calls it optim\.lr"),
+])
+def test_other_frameworks_names_point_to_the_field(override, hint):
+    with pytest.raises(ConfigError, match=hint):
+        load_config(None, [override])
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("batch:\n  group_size: 4\nrun:\n  steps: 3\nbatch:\n  prompts_per_step: 2\n")
+    with pytest.raises(ConfigError, match=r"key 'batch' appears twice in one mapping, at lines 1 and 5"):
+        load_config(p)
+    p.write_text("algo:\n  kl_coef: 0.1\n  mu: 2\n  kl_coef: 0.2\n")
+    with pytest.raises(ConfigError, match=r"key 'kl_coef' appears twice in one mapping, at lines 2 and 4"):
+        load_config(p)
+    # an anchor's keys a merge brings in may be overridden: that is what merges are for
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("batch:\n  <<: {group_size: 4, prompts_per_step: 8}\n  group_size: 2\n")
+    assert load_config(merged).batch.group_size == 2
+
+
 def test_malformed_yaml_names_the_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("algo:\n  kl_coef: 0.1\n  mu: [1, 2\n")
@@ -87,6 +115,31 @@ def test_cli_refuses_before_loading_models(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and "did you mean 'kl_coef'" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_placement_the_devices_cannot_run_is_refused_before_models_load(tiny_model, tmp_path, monkeypatch, capsys):
+    """vLLM's own tensor parallel (the local backend) on a machine without the GPUs for it: refused naming the
+    fields and the colocated alternative, not a vLLM traceback after the model has loaded."""
+    import torch
+
+    from tandem import trainer
+    from tandem.cli import main
+    from tandem.workers import placement
+
+    def build(cfg):
+        raise AssertionError("models loaded: the devices should have been refused first")
+
+    monkeypatch.setattr(trainer.placement, "build", build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model:\n  path: {tiny_model}\nrun:\n  output_dir: {tmp_path / 'out'}\n")
+    assert main(["train", str(cfg), "rollout.engine=vllm", "rollout.tensor_parallel=2"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.tensor_parallel: 2 with placement.backend: local" in err and "has 0" in err, err
+    assert "placement.backend=ray placement.workers=2" in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    placement.check_devices(load_config(None, ["rollout.engine=vllm", "rollout.tensor_parallel=2"]))  # two GPUs: runs
 
 
 def test_dataset_row_without_field_reports_its_line(tmp_path):

@@ -7,9 +7,11 @@ import logging
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from tandem import checkpoint, trainer
 from tandem.cli import main
 from tandem.config import load_config
 from tandem.metrics import MetricsLog
+from tandem.modeling import check_model_files
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
@@ -287,6 +290,108 @@ def test_a_failed_checkpoint_write_removes_its_temporary_folder(finished_run, tm
     assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]
 
 
+# -- checksums: damage the header and size checks cannot see -------------------------------------------------
+
+
+def _flip_safetensors_data_bit(path: Path) -> None:
+    """One bit flipped in the middle of the tensor data, past the header: the file keeps its size and header."""
+    raw = bytearray(path.read_bytes())
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    raw[8 + header_len + (len(raw) - 8 - header_len) // 2] ^= 0x04
+    path.write_bytes(raw)
+
+
+def _flip_optimizer_data_bit(path: Path) -> None:
+    """One bit flipped inside the largest tensor record of a torch.save zip (torch.load checks no CRC): the zip
+    directory at the end, which the size checks read, is untouched."""
+    with zipfile.ZipFile(path) as z:
+        record = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[record.header_offset + 26: record.header_offset + 30])
+    raw[record.header_offset + 30 + name_len + extra_len + record.file_size // 2] ^= 0x04
+    path.write_bytes(raw)
+
+
+BIT_FLIPS = {"model.safetensors": _flip_safetensors_data_bit, "optimizer.pt": _flip_optimizer_data_bit}
+
+
+@pytest.mark.parametrize("broken", sorted(BIT_FLIPS))
+def test_a_flipped_bit_in_tensor_data_falls_back_to_the_previous_checkpoint(finished_run, tmp_path, tiny_model,
+                                                                            caplog, broken):
+    out = copy_of(finished_run[0], tmp_path)
+    damaged = out / "checkpoints" / "step-00000002"
+    BIT_FLIPS[broken](damaged / broken)
+    check_model_files(damaged)  # what the header and size checks see: nothing wrong
+    zipfile.ZipFile(damaged / "optimizer.pt").close()
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        run = trainer.prepare(config(tiny_model, out, "run.steps=3"), resume=True)
+    run.close()
+    assert run.resumed and run.start_step == 1
+    assert f"{broken}: checksum mismatch" in caplog.text and "step-00000002" in caplog.text, caplog.text
+    assert (out / "checkpoints" / "step-00000002.bad").is_dir()
+    assert [s for s, _ in checkpoint.checkpoints(out / "checkpoints")] == [1]
+
+
+def test_a_checkpoint_saved_without_checksums_resumes_with_a_warning(finished_run, tmp_path, tiny_model, caplog):
+    """What an older tandem wrote: no checksums.json, nothing in trainer_state.json about one."""
+    out = copy_of(finished_run[0], tmp_path)
+    for _, folder in checkpoint.checkpoints(out / "checkpoints"):
+        (folder / checkpoint.CHECKSUMS).unlink()
+        state = json.loads((folder / "trainer_state.json").read_text())
+        state.pop("checksums")
+        (folder / "trainer_state.json").write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        run = trainer.prepare(config(tiny_model, out, "run.steps=3"), resume=True)
+    run.close()
+    assert run.start_step == 2
+    assert "step-00000002" in caplog.text and "cannot be verified" in caplog.text, caplog.text
+
+
+def test_every_published_checkpoint_lists_the_checksum_of_each_of_its_files(finished_run):
+    out, events = finished_run
+    for step, folder in checkpoint.checkpoints(out / "checkpoints"):
+        listed = json.loads((folder / checkpoint.CHECKSUMS).read_text())
+        files = sorted(p.name for p in folder.iterdir() if p.name != checkpoint.CHECKSUMS)
+        assert sorted(listed["files"]) == files and "model.safetensors" in files and "optimizer.pt" in files
+        assert {"rng.pt", "trainer_state.json", "config.json", "tokenizer.json"} <= set(files)
+        assert checkpoint.problems(folder) == []
+        # written into the temporary folder and on disk before the rename publishes it
+        publish = next(i for i, (kind, what) in enumerate(events) if kind == "rename" and what.endswith(folder.name))
+        assert ("fsync", f"{folder}.tmp/{checkpoint.CHECKSUMS}") in events[:publish]
+
+
+def _drop_from_checksums(ck: Path) -> None:
+    listed = json.loads((ck / checkpoint.CHECKSUMS).read_text())
+    del listed["files"]["optimizer.pt"]
+    (ck / checkpoint.CHECKSUMS).write_text(json.dumps(listed))
+
+
+CHECKSUM_DAMAGE = {  # what is done to a checkpoint -> what problems() must say
+    "a listed file deleted": (lambda ck: (ck / "tokenizer.json").unlink(), "tokenizer.json: missing"),
+    "a file grown": (lambda ck: (ck / "config.json").write_text((ck / "config.json").read_text() + " "),
+                     "config.json: "),
+    "a bit flipped in the RNG state": (lambda ck: _flip_optimizer_data_bit(ck / "rng.pt"), "rng.pt: checksum mismatch"),
+    "a weights shard added": (lambda ck: shutil.copy(ck / "model.safetensors", ck / "model-extra.safetensors"),
+                              "model-extra.safetensors: not in checksums.json"),
+    "a file left out of the list": (_drop_from_checksums, "optimizer.pt: not in checksums.json"),
+    "checksums.json garbled": (lambda ck: (ck / checkpoint.CHECKSUMS).write_text('{"files": {"rng'),
+                               "checksums.json: "),
+    "checksums.json deleted": (lambda ck: (ck / checkpoint.CHECKSUMS).unlink(), "checksums.json: missing"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CHECKSUM_DAMAGE))
+def test_problems_name_the_file_the_checksums_find_wrong(finished_run, tmp_path, damage):
+    ck = tmp_path / "step-00000002"
+    shutil.copytree(finished_run[0] / "checkpoints" / ck.name, ck)
+    (ck / "notes.txt").write_text("a file nothing reads: not damage")
+    assert checkpoint.problems(ck) == []
+    do, says = CHECKSUM_DAMAGE[damage]
+    do(ck)
+    found = checkpoint.problems(ck)
+    assert any(p.startswith(says) for p in found), found
+
+
 # -- an unwritable directory ---------------------------------------------------------------------------------
 
 
@@ -327,3 +432,15 @@ def test_a_read_only_output_dir_is_found_before_models_load(tiny_model, tmp_path
     assert r.returncode == 2, r.stderr[-3000:]
     assert str(out) in r.stderr and ("Read-only file system" in r.stderr or "Permission denied" in r.stderr), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_resume_with_no_steps_left_is_refused_before_models_load(finished_run, tmp_path, tiny_model, no_models,
+                                                                   capsys):
+    out = copy_of(finished_run[0], tmp_path)  # at step 2
+    for steps in (2, 1):
+        assert main(["train", str(config_file(tiny_model, out, tmp_path, steps=steps)), "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert f"run.steps: {steps}, but the run in {out} is at step 2 already" in err and "--model" in err, err
+    assert [s for s, _ in checkpoint.checkpoints(out / "checkpoints")] == [1, 2]
+    with pytest.raises(AssertionError, match="models loaded"):  # with steps left, it goes on to load them
+        trainer.prepare(config(tiny_model, out, "run.steps=3"), resume=True)

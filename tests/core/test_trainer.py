@@ -193,3 +193,29 @@ def test_a_failed_step_still_logs_the_step_queued_before_it(tiny_model, tmp_path
     with pytest.raises(RuntimeError, match="sampler lost"):
         train(small_config(tiny_model, out, "run.save_every=0", "run.eval_every=0"))
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
+
+
+def test_a_failed_worker_is_the_clis_one_line_message(tiny_model, tmp_path, monkeypatch, capsys):
+    """The worker's summary (which worker, in which phase, why) is the message and the last line; the controller's
+    traceback is left out (`-v` prints it)."""
+    from tandem.cli import main
+    from tandem.workers.hybrid import HybridWorker
+
+    calls = {"n": 0}
+    real = HybridWorker.generate
+
+    def dies_on_the_second(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise MemoryError("the engine ran out of memory")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(HybridWorker, "generate", dies_on_the_second)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(json.dumps(small_config(tiny_model, tmp_path / "out", "run.eval_every=0").model_dump(mode="json")))
+    assert main(["train", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[-2] == "tandem: error: worker 0/1 failed in generate: MemoryError('the engine ran out of memory')"
+    assert lines[-1].startswith(f"tandem: the run stopped; what it saved is resumed with: tandem train {cfg} --resume")

@@ -102,6 +102,18 @@ def test_a_reward_failing_on_everything_stops_the_check_a_few_bad_samples_do_not
     ErrorRateLimit(1.0).observe(4, {"broken": 4}, {"broken": "raised: ImportError('x')"})  # 1 = never stop
 
 
+def test_the_error_rate_window_is_the_steps_so_far():
+    # What the README and the field's description say: step 1 is judged alone; after one clean step, a step that
+    # fails everywhere is 50% of the two (not above 0.5) and passes; a second bad step in a row stops the run.
+    with pytest.raises(RewardErrorRateExceeded, match="60% of the last 10 samples \\(1 step\\)"):
+        ErrorRateLimit(0.5).observe(10, {"flaky": 6}, {"flaky": "timeout"})
+    limit = ErrorRateLimit(0.5)
+    limit.observe(10, {"flaky": 0}, {})
+    assert limit.observe(10, {"flaky": 10}, {"flaky": "timeout"}) == {"reward/error_rate/flaky": 1.0}
+    with pytest.raises(RewardErrorRateExceeded, match="67% of the last 30 samples \\(3 steps\\)"):
+        limit.observe(10, {"flaky": 10}, {"flaky": "timeout"})
+
+
 def test_a_reward_that_fails_everywhere_stops_the_run_by_name_and_evaluation_counts_its_errors(
         tiny_model, tmp_path, capsys):
     from tandem.cli import main

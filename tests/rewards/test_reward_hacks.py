@@ -178,6 +178,49 @@ print(got)
     assert score(prog) == 0.0
 
 
+AREA_TESTS = ["assert abs(area(2) - 12.566) < 1e-3", "assert len(squares(3)) == 3",
+              "assert set(uniq([1, 1, 2])) == set([1, 2])", "assert math.isclose(area(1), 3.14159, rel_tol=1e-3)"]
+AREA_WRONG = "def area(r):\n    return 0\ndef squares(n):\n    return []\ndef uniq(xs):\n    return xs[:1]\n"
+# (using no builtin or module that a shadow below replaces in the program itself)
+AREA_RIGHT = ("import math\ndef area(r):\n    return 3.141592653589793 * r * r\n"
+              "def squares(n):\n    return [i * i for i in range(n)]\ndef uniq(xs):\n    return list(dict.fromkeys(xs))\n")
+
+
+@pytest.mark.parametrize("shadow", [
+    "def abs(x):\n    return 0\n",
+    "def len(x):\n    return 3\n",
+    "def set(x=()):\n    return 0\n",
+    "abs = len = set = lambda *a, **k: 0\n",
+    "class math:\n    @staticmethod\n    def isclose(*a, **k):\n        return True\n",
+    "import types\nmath = types.SimpleNamespace(isclose=lambda *a, **k: True)\n",
+    "import types\nmath = types.ModuleType('math')\nmath.isclose = lambda *a, **k: True\n",
+    "import sys, math\nmath.isclose = lambda *a, **k: True\nsys.modules['math'] = math\n",
+], ids=["def-abs", "def-len", "def-set", "assigned-builtins", "class-math", "namespace-math", "module-math",
+        "patched-math"])
+def test_shadowing_the_builtins_and_modules_the_tests_use(shadow):
+    # The program's names that shadow a builtin or a module the tests use never reach the tests: they call the
+    # harness's own. The shadow alone decides nothing; the solution's functions do.
+    for i, test in enumerate(AREA_TESTS):
+        assert score(AREA_WRONG + shadow, [test]) == 0.0, (i, test)
+    assert score(AREA_RIGHT + shadow, AREA_TESTS) == 1.0
+
+
+def test_a_test_uses_a_module_the_solution_imported():
+    # MBPP writes its tests this way: `math` is the solution's import, never imported by the test itself.
+    tests = ["assert math.isclose(vol(10), 4188.79, rel_tol=0.001)"]
+    assert score("import math\ndef vol(r):\n    return 4/3*math.pi*r**3\n", tests) == 1.0
+    assert score("import math\ndef vol(r):\n    return 4/3*math.pi*r**2\n", tests) == 0.0
+    # under another name, and a module the solution did not import as such: the harness imports its own
+    assert score("import statistics as st\ndef middle(xs):\n    return st.median(xs)\n",
+                 ["assert st.median([middle([1, 5, 3])]) == 3"]) == 1.0
+    assert score("from math import pi\ndef vol(r):\n    return 4/3*pi*r**3\n", tests) == 1.0
+    # an allowed package's alias: the harness's own import, from the packages the program may import
+    assert score("import yaml as y\ndef dump(d):\n    return y.safe_dump(d)\n",
+                 ["assert y.safe_load(dump({'a': 1})) == {'a': 1}"], packages=["yaml"]) == 1.0
+    # a function named like a module is still the solution's where the tests call it
+    assert score("def copy(xs):\n    return list(xs)\n", ["assert copy((1, 2)) == [1, 2]"]) == 1.0
+
+
 @pytest.mark.parametrize("tests,program", [
     (["assert Solution().two_sum([2, 7, 11], 9) == [0, 1]"],
      "class Solution:\n    def two_sum(self, nums, target):\n        seen = {}\n        for i, x in enumerate(nums):\n"

@@ -68,7 +68,7 @@ def test_lora_resume_reproduces_the_uninterrupted_run(tiny_model, tmp_path):
     assert a == (checkpoint.latest(cut / "checkpoints") / "adapter_model.safetensors").read_bytes()
 
 
-def test_saved_adapter_loads_with_peft_and_merged_export_with_transformers(tiny_model, tmp_path):
+def test_saved_adapter_loads_with_peft_and_merged_export_with_transformers(tiny_model, tmp_path, capsys):
     """Both give the trainer's logprobs on a fixed prompt: the PEFT model from the checkpoint as is, and the plain
     model `tandem export` writes."""
     from peft import PeftModel
@@ -108,6 +108,20 @@ def test_saved_adapter_loads_with_peft_and_merged_export_with_transformers(tiny_
         torch.testing.assert_close(w, exported[name].detach(), rtol=0, atol=1e-6, msg=name)
     worker.close()
     assert main(["eval", f"model.path={last}"]) == 2  # an adapter is not a model: the error says to export it
+    # an existing folder is refused (exit 2, naming it) and left as it was, unless --force replaces it whole
+    (merged / "mine.txt").write_text("keep")
+    capsys.readouterr()
+    assert main(["export", str(last), str(merged)]) == 2
+    assert f"{merged} exists already" in capsys.readouterr().err and (merged / "mine.txt").read_text() == "keep"
+    assert main(["export", str(last), str(merged), "--force"]) == 0
+    assert not (merged / "mine.txt").exists() and (merged / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "run"]  # no temporary folder left beside it
+    # a damaged checkpoint is not exported: its checksums name the file
+    raw = bytearray((last / "adapter_model.safetensors").read_bytes())
+    raw[-3] ^= 1
+    (last / "adapter_model.safetensors").write_bytes(raw)
+    assert main(["export", str(last), str(tmp_path / "other")]) == 2
+    assert "adapter_model.safetensors: checksum mismatch" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("override, words", [
