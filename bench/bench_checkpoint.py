@@ -4,7 +4,7 @@
 
 A random Qwen2 (fp32, tied embeddings; the defaults give ~124 M parameters) and an AdamW state after one step (its
 two moments: twice the weights) are built here, no download. Each round saves the same checkpoint twice through
-`tandem.checkpoint.save`, as the trainer does (`save_pretrained` + `torch.save` of the optimizer, RNG and trainer
+`tandem.run.checkpoint.save`, as the trainer does (`save_pretrained` + `torch.save` of the optimizer, RNG and trainer
 state, fsync of every file, rename, the previous checkpoint pruned), once with its checksum pass replaced by
 nothing (the save before checksums) and once as it is, in alternating order. The table gives the median of each, their ratio, and the
 checksum pass timed inside each save (`write_checksums`: every file read back from the page cache and hashed):
@@ -76,7 +76,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging
 
-    from tandem import checkpoint
+    from tandem.run import checkpoint
 
     hf_logging.disable_progress_bar()
     sums: list[float] = []

@@ -9,7 +9,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tandem.rewards import RewardScorer  # noqa: E402
-from tandem.rewards.sandbox import isolation  # noqa: E402
+from tandem.sandbox import isolation  # noqa: E402
 
 
 def rate(specs, completions, rows, workers: int, repeat: int = 1) -> float:

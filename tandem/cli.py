@@ -9,7 +9,7 @@ import sys
 import time
 
 from tandem.config import ConfigError, config_reference, load_config
-from tandem.signals import Stopped
+from tandem.run.signals import Stopped
 from tandem.workers.group import WorkerError
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, KeyError)
@@ -33,7 +33,7 @@ def _train(args) -> int:
 
 
 def _start(args, default: str) -> str:
-    """What the run does with its directory's previous run (`tandem.rundir.Start`), from the flags."""
+    """What the run does with its directory's previous run (`tandem.run.directory.Start`), from the flags."""
     return "resume" if args.resume else "resume_or_start" if args.resume_or_start else default
 
 
@@ -79,7 +79,7 @@ def _eval(args) -> int:
 def _export(args) -> int:
     from pathlib import Path
 
-    from tandem import checkpoint
+    from tandem.run import checkpoint
     from tandem.train.lora import export_merged
 
     folder = Path(args.checkpoint)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         resume = f"; what it saved is resumed with: {_commands(argv)[0]}" if args.command in ("train", "demo") else ""
         print(f"tandem: error: {exc}\ntandem: the run stopped{resume} (-v prints the traceback)", file=sys.stderr)
         return 1
-    except Stopped as stop:  # SIGTERM or SIGINT during a run: one line, no traceback (tandem.signals)
+    except Stopped as stop:  # SIGTERM or SIGINT during a run: one line, no traceback (tandem.run.signals)
         print(f"tandem: {stop.describe(*_commands(argv))}", file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:  # Ctrl-C outside a run (checking the config, building the demo's model): no step ran

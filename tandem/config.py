@@ -498,9 +498,7 @@ class Config(Section):
             if value not in table:
                 raise ConfigError(f"algo.{field}: {value!r} is not registered{_suggest(value, table)}; "
                                   f"choose one of: {', '.join(sorted(table))}")
-        group_baselines = ("grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_pp_baseline",
-                           "reinforce_pp_baseline_sample")
-        if self.batch.group_size < 2 and a.advantage in group_baselines:
+        if self.batch.group_size < 2 and ADVANTAGES[a.advantage].needs_groups:
             raise ConfigError(
                 f"batch.group_size: {self.batch.group_size} leaves every GRPO advantage at 0 (a group of one has no "
                 "relative reward); use group_size >= 2, or algo.advantage: reinforce_pp (no group baseline)")

@@ -10,20 +10,20 @@ from pathlib import Path
 
 import torch
 
-from tandem import checkpoint
+from tandem.run import checkpoint
 from tandem.architectures import check_supported
 from tandem.rollout.multiturn import conversation_stats
 from tandem.train import lora
 from tandem.algo import ADVANTAGES, first_k_groups, nonzero_variance_groups, overlong_penalty, truncation_mask
 from tandem.config import Config, ConfigError
 from tandem.data.sources import Prompt, PromptStream, load_task_rows, tokenize_rows
-from tandem.evaluation import evaluate
-from tandem.metrics import METRICS_FILE, MetricsLog
+from tandem.run.evaluation import evaluate
+from tandem.run.metrics import METRICS_FILE, MetricsLog
 from tandem.modeling import check_model_folder, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.rollout import Samples, Sampling
-from tandem.rundir import RunLock, Start, claim
-from tandem.signals import StopSignals, Stopped
+from tandem.run.directory import RunLock, Start, claim
+from tandem.run.signals import StopSignals, Stopped
 from tandem.workers import placement
 from tandem.workers.group import Pending
 from tandem.workers.placement import PendingRollout, Placement, Rollout, Synced
@@ -72,7 +72,7 @@ class Timer(defaultdict):
 
 def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool = True) -> Run:
     """Check everything that can be checked (model folder, tokenizer, data, the run directory, rewards), then start
-    the workers. `resume`: True or False (`resume` / `start`), or a `tandem.rundir.Start`. `claim_output_dir=False`
+    the workers. `resume`: True or False (`resume` / `start`), or a `tandem.run.directory.Start`. `claim_output_dir=False`
     (evaluation) neither locks nor reads run.output_dir."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -378,7 +378,7 @@ def save(run: Run, step: int, data: dict | None = None) -> Path:
 def train(cfg: Config, resume: bool | Start = False) -> dict[str, float]:
     """Run GRPO as configured; returns the final evaluation (and the first one, when this run made it).
 
-    SIGTERM or SIGINT raises `tandem.signals.Stopped`: the step whose update is queued on the workers finishes, a
+    SIGTERM or SIGINT raises `tandem.run.signals.Stopped`: the step whose update is queued on the workers finishes, a
     step still sampling or scoring is dropped, the last completed step is checkpointed (run.save_on_signal), metrics
     are flushed and every worker stops. A second signal raises it at once, unsaved."""
     r = cfg.run

@@ -23,39 +23,31 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-ADVANTAGES: dict[str, Callable[..., Tensor]] = {}
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
-KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
-AGGREGATIONS: dict[str, Callable[..., Tensor]] = {}
+from tandem.plugins import Registry
+
+
+@dataclass(frozen=True)
+class Advantage:
+    """A registered advantage estimator: called as its function; `needs_groups` when its baseline is the group's
+    (a group of one then has advantage 0 whatever its reward, and a config that makes every group one is refused)."""
+
+    name: str
+    fn: Callable[..., Tensor]
+    needs_groups: bool = False
+
+    def __call__(self, rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
+        return self.fn(rewards, groups, lengths=lengths, eps=eps)
+
+
+ADVANTAGES: Registry[Advantage] = Registry("advantage", Advantage)
+POLICY_LOSSES: Registry[Callable[..., tuple[Tensor, dict[str, Tensor]]]] = Registry("policy loss")
+KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL estimator")
+AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry("loss aggregation")
+register_advantage, register_policy_loss = ADVANTAGES.register, POLICY_LOSSES.register
+register_kl, register_aggregation = KL_ESTIMATORS.register, AGGREGATIONS.register
 
 # exp() of a log-ratio beyond this overflows float16/bfloat16 ranges or explodes a gradient; clamp first.
 _MAX_LOG_RATIO = 20.0
-
-
-def _register(table: dict, name: str):
-    def deco(fn):
-        if name in table:
-            raise ValueError(f"{name!r} is registered twice")
-        table[name] = fn
-        return fn
-
-    return deco
-
-
-def register_advantage(name: str):
-    return _register(ADVANTAGES, name)
-
-
-def register_policy_loss(name: str):
-    return _register(POLICY_LOSSES, name)
-
-
-def register_kl(name: str):
-    return _register(KL_ESTIMATORS, name)
-
-
-def register_aggregation(name: str):
-    return _register(AGGREGATIONS, name)
 
 
 # ---------------------------------------------------------------------------------------------- advantages
@@ -113,14 +105,14 @@ def _whiten_tokens(x: Tensor, lengths: Tensor, eps: float) -> Tensor:
     return _safe_div(x - mean, var.sqrt() + eps)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", needs_groups=True)
 def grpo_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): (r - mean(group)) / (std(group) + eps)."""
     mean, std, _ = _group_stats(rewards, groups)
     return _safe_div(rewards.double() - mean, std + eps).to(rewards.dtype)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", needs_groups=True)
 def dr_grpo_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): r - mean(group).
 
@@ -130,7 +122,7 @@ def dr_grpo_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: fl
     return (rewards.double() - mean).to(rewards.dtype)
 
 
-@register_advantage("grpo_batch_std")
+@register_advantage("grpo_batch_std", needs_groups=True)
 def grpo_batch_std_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
     """Group mean, batch std (Liu et al. 2025, "Tricks or Traps?", Lite PPO): (r - mean(group)) / (std(batch) + eps).
 
@@ -141,7 +133,7 @@ def grpo_batch_std_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, 
     return _safe_div(r - mean, _batch_std(r) + eps).to(rewards.dtype)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", needs_groups=True)
 def rloo_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
     """RLOO (Ahmadian et al. 2024, "Back to Basics"): r_i - mean_{j != i in group} r_j = n/(n-1) (r_i - mean(group)).
 
@@ -172,7 +164,7 @@ def reinforce_pp_sample_advantages(rewards: Tensor, groups: Tensor, lengths: Ten
     return _whiten_samples(rewards.double(), eps).to(rewards.dtype)
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", needs_groups=True)
 def reinforce_pp_baseline_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor, eps: float = 1e-6) -> Tensor:
     """REINFORCE++-baseline (Hu 2025): x = r - mean(group), then x whitened over the batch's tokens, as verl does.
 
@@ -183,7 +175,7 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, groups: Tensor, lengths: T
     return _whiten_tokens(rewards.double() - mean, lengths, eps).to(rewards.dtype)
 
 
-@register_advantage("reinforce_pp_baseline_sample")
+@register_advantage("reinforce_pp_baseline_sample", needs_groups=True)
 def reinforce_pp_baseline_sample_advantages(rewards: Tensor, groups: Tensor, lengths: Tensor,
                                             eps: float = 1e-6) -> Tensor:
     """REINFORCE++-baseline with the whitening over samples: x = r - mean(group), then (x - mean(x)) / (std(x) +

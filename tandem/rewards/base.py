@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from tandem.plugins import import_plugin
+from tandem.plugins import Registry
 
 log = logging.getLogger("tandem.rewards")
 
@@ -35,34 +35,25 @@ class RewardFn:
     batched: bool = False
     inline: bool = False
 
+    @classmethod
+    def of(cls, name: str, fn: Callable[..., Any], batched: bool | None = None, inline: bool | None = None
+           ) -> "RewardFn":
+        """As registered (`register_reward`'s arguments), or as a plugin declares itself (its attributes)."""
+        return cls(name, fn, bool(getattr(fn, "batched", False) if batched is None else batched),
+                   bool(getattr(fn, "inline", False) if inline is None else inline))
 
-REWARDS: dict[str, RewardFn] = {}
+
+REWARDS: Registry[RewardFn] = Registry("reward", RewardFn.of)
 
 
 def register_reward(name: str, batched: bool = False, inline: bool = False):
     """Decorator: register `fn` under `name` (see RewardFn for the signature and what `inline` means)."""
-
-    def deco(fn):
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} is registered twice")
-        REWARDS[name] = RewardFn(name, fn, batched, inline)
-        return fn
-
-    return deco
+    return REWARDS.register(name, batched=batched, inline=inline)
 
 
 def resolve_reward(name: str) -> RewardFn:
     """A registered name, or a user plugin given by import path `package.module:function` (`import_plugin`)."""
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" in name:
-        fn = import_plugin("reward", name)
-        return RewardFn(name, fn, bool(getattr(fn, "batched", False)), bool(getattr(fn, "inline", False)))
-    import difflib
-
-    near = difflib.get_close_matches(name, list(REWARDS), n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else f"; registered: {', '.join(sorted(REWARDS))}"
-    raise KeyError(f"unknown reward {name!r}{hint} (or give a plugin as 'module:function')")
+    return REWARDS.resolve(name)
 
 
 @dataclass

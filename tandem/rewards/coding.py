@@ -19,7 +19,6 @@ that cannot run a correct program, or one that is weak (no namespaces) unless `a
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -27,9 +26,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from tandem.rewards.base import register_reward
-from tandem.rewards.sandbox import SandboxBroken, SandboxLimits, judge_python, run_python, self_test, weak_spots
-
-log = logging.getLogger("tandem.rewards")
+from tandem.sandbox import SandboxLimits, check_sandbox, judge_python, run_python
 
 _FENCE_RE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\r?\n(.*?)```", re.DOTALL)
 
@@ -79,29 +76,6 @@ def run_test(solution: str, test: CodeTest, limits: SandboxLimits, packages: Seq
         r = run_python(solution, test.stdin, limits, packages=packages)
         return r.ok and outputs_match(r.stdout, test.expected_stdout)
     return judge_python(solution, test.assert_code, limits, packages=packages).passed is True
-
-
-_WARNED: set[tuple[str, ...]] = set()  # package sets already warned about: once per run, not once per call
-
-
-def check_sandbox(packages: Sequence[str] = (), allow_weak_sandbox: bool = False) -> None:
-    """Refuse (SandboxBroken) a sandbox that fails its self-test, or a weak one unless `allow_weak_sandbox`; warn
-    loudly, naming what is not contained, when a weak one is allowed. Checked once per package set."""
-    iso = self_test(tuple(packages))
-    spots = weak_spots(iso)
-    if not spots:
-        return
-    what = "; ".join(spots)
-    if not allow_weak_sandbox:
-        raise SandboxBroken(
-            f"the code sandbox is weak on this machine (isolation {iso}: no user or mount namespaces): a "
-            f"model-written program could {what}. Run where unprivileged user namespaces are allowed "
-            "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0, or a container with them), "
-            "or accept the risk with the code reward's kwargs: {allow_weak_sandbox: true}")
-    if tuple(packages) not in _WARNED:
-        _WARNED.add(tuple(packages))
-        log.warning("!!! CODE SANDBOX IS WEAK (allow_weak_sandbox: true; isolation %s): a model-written program "
-                    "could %s. Only rlimits, a new session and a scrubbed environment confine it.", iso, what)
 
 
 def preflight(cpu_s: int = 2, wall_s: float = 5.0, memory_mb: int = 1024, parallel: int | None = None,

@@ -66,7 +66,7 @@ def _acquire_ray(address: str | None, num_cpus: float | None, num_gpus: int | No
 @contextmanager
 def _keeping_sigterm_handler() -> Iterator[None]:
     """ray.init takes SIGTERM for itself (a handler that prints a stack and aborts the driver): the caller's handler
-    (tandem.signals, which checkpoints and then stops Ray) goes back in its place."""
+    (tandem.run.signals, which checkpoints and then stops Ray) goes back in its place."""
     if threading.current_thread() is not threading.main_thread():  # nothing to keep: only the main one can have one
         yield
         return

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem import checkpoint
+from tandem.run import checkpoint
 from tandem.config import load_config
 from tandem.trainer import train
 

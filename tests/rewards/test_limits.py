@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tandem.data.sources import Prompt
-from tandem.evaluation import evaluate
+from tandem.run.evaluation import evaluate
 from tandem.rewards import RewardScorer, resolve_reward
 from tandem.rewards.base import ErrorRateLimit, RewardErrorRateExceeded, RewardSetupError
 from tandem.rollout.base import Completion, Samples

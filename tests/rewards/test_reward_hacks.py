@@ -45,7 +45,7 @@ def test_reading_the_pass_marker_from_the_programs_own_code():
 
 
 def test_finding_the_tests_in_objects_memory_descriptors_or_files():
-    from tandem.rewards.sandbox import isolation
+    from tandem.sandbox import isolation
 
     iso = isolation()
     if not (iso.get("fs") and (iso.get("uid") or iso.get("pid"))):
@@ -95,7 +95,7 @@ for top in ("/tmp", "/proc", "/"):
                 pass
 print("FOUND", sorted(found))
 '''
-    from tandem.rewards.sandbox import SandboxLimits, judge_python
+    from tandem.sandbox import SandboxLimits, judge_python
 
     r = judge_python(hunt, f"assert add(2, 3) == 5, {token!r}", SandboxLimits(cpu_s=5, wall_s=10))
     assert "FOUND" in r.stdout and token not in r.stdout, (r.stdout[-500:], r.stderr[-500:])
@@ -169,7 +169,7 @@ for pid in os.listdir("/proc"):
                 pass
 print(got)
 '''
-    from tandem.rewards.sandbox import run_python
+    from tandem.sandbox import run_python
 
     r = run_python(prog)
     assert r.ok, r.stderr

@@ -47,17 +47,13 @@ def test_batched_plugin_and_math_in_the_pool():
     assert res.per_fn["math"] == [1.0, 0.0] and res.errors["math"] == 0
 
 
-def test_functions_a_worker_cannot_import_run_inline():
-    REWARDS.pop("test_lambda", None)
-    from tandem.rewards import register_reward
+def test_functions_a_worker_cannot_import_run_inline(monkeypatch):
+    from tandem.rewards import RewardFn
 
-    register_reward("test_lambda")(lambda c, p, r: 1.0)
-    try:
-        with RewardScorer([("test_lambda", 1.0, {})], workers=1) as s:
-            assert s._pool is None
-            assert s.score(["a"], [""], [{}]).per_fn["test_lambda"] == [1.0]
-    finally:
-        REWARDS.pop("test_lambda")
+    monkeypatch.setitem(REWARDS._entries, "test_lambda", RewardFn("test_lambda", lambda c, p, r: 1.0))
+    with RewardScorer([("test_lambda", 1.0, {})], workers=1) as s:
+        assert s._pool is None
+        assert s.score(["a"], [""], [{}]).per_fn["test_lambda"] == [1.0]
 
 
 def test_code_reward_counts_rows_without_tests_as_errors():

@@ -114,7 +114,7 @@ def test_lora_run_on_one_vllm_engine_then_its_merged_export_served_by_vllm(vllm_
 
     from peft import PeftModel
 
-    from tandem import checkpoint
+    from tandem.run import checkpoint
     from tandem.cli import main
     from tandem.config import load_config
     from tandem.modeling import load_causal_lm

@@ -19,7 +19,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no ~/.ray/auth_token
 pytest.importorskip("ray")
 
 
-from tandem import checkpoint  # noqa: E402
+from tandem.run import checkpoint  # noqa: E402
 from tandem.config import load_config  # noqa: E402
 from tandem.rollout import Completion, Samples  # noqa: E402
 from tandem.trainer import train  # noqa: E402

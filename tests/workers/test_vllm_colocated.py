@@ -22,7 +22,7 @@ from test_placement import (  # noqa: E402
     BOUNDED, _actor_pids_by_group, _assert_intact, _kill_after_checkpoint, demo_path, read_metrics,  # noqa: F401
     session, small_config)
 
-from tandem import checkpoint  # noqa: E402
+from tandem.run import checkpoint  # noqa: E402
 from tandem.config import ConfigError, load_config  # noqa: E402
 from tandem.rollout import Samples, Sampling  # noqa: E402
 from tandem.rollout.vllm_engine import remove_segments  # noqa: E402

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tandem.rewards import REWARDS, SandboxLimits, extract_code, run_python
-from tandem.rewards.sandbox import _uid_processes, isolation
+from tandem.sandbox.runner import _uid_processes, isolation
 
 code = REWARDS["code"].fn
 # Scoring is what these tests check; the refusal of a weak sandbox has its own tests (test_sandbox_hosts.py), and
@@ -110,7 +110,7 @@ def test_allocating_10_gb_fails_inside_the_sandbox():
 
 def _needs(*any_of: str) -> None:
     if not any(isolation().get(k) for k in any_of):
-        pytest.skip(f"this machine allows none of {any_of} (see tandem.rewards.sandbox): the sandbox degrades here")
+        pytest.skip(f"this machine allows none of {any_of} (see tandem.sandbox): the sandbox degrades here")
 
 
 def test_cannot_write_outside_its_directory(tmp_path):

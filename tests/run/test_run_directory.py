@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem import checkpoint, trainer
+from tandem import trainer
+from tandem.run import checkpoint
 from tandem.cli import main
 from tandem.config import load_config
-from tandem.metrics import MetricsLog
+from tandem.run.metrics import MetricsLog
 from tandem.modeling import check_model_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +127,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_is_taken_
         assert any(f"pid {holder.pid}" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         run.close()
-    from tandem.rundir import RunLock
+    from tandem.run.directory import RunLock
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tandem"):
@@ -182,7 +183,7 @@ def test_a_fresh_start_over_a_run_with_checkpoints_is_refused(finished_run, tmp_
 
 
 def test_replace_says_what_it_removes(finished_run, tmp_path, caplog):
-    from tandem.rundir import claim
+    from tandem.run.directory import claim
 
     out = copy_of(finished_run[0], tmp_path)
     (out / "notes.txt").write_text("mine")

@@ -14,12 +14,13 @@ import textwrap
 import pytest
 
 from tandem.rewards import REWARDS, RewardScorer
-from tandem.rewards import coding
+from tandem import sandbox
+from tandem.sandbox import runner
 from tandem.rewards.base import RewardSetupError
-from tandem.rewards.sandbox import (SandboxBroken, _interpreter, isolation, judge_python, run_python, self_test,
+from tandem.sandbox.runner import (SandboxBroken, _interpreter, isolation, judge_python, run_python, self_test,
                                     weak_spots)
 
-SANDBOX_DIR = os.path.dirname(coding.__file__)
+SANDBOX_DIR = os.path.dirname(runner.__file__)
 USER = 12345  # any uid without a passwd entry: nothing of it exists on the machine
 
 # A seccomp filter that fails unshare(2) with EPERM, installed before the sandbox runs: user (and all other)
@@ -40,7 +41,7 @@ NO_NAMESPACES = textwrap.dedent('''
 
 PROBE = textwrap.dedent('''
     import importlib.util, json, sys
-    spec = importlib.util.spec_from_file_location("sandbox_copy", sys.argv[1] + "/sandbox.py")
+    spec = importlib.util.spec_from_file_location("sandbox_copy", sys.argv[1] + "/runner.py")
     sb = importlib.util.module_from_spec(spec)
     sys.modules["sandbox_copy"] = sb
     spec.loader.exec_module(sb)
@@ -83,7 +84,7 @@ def run_elsewhere(as_user: bool, namespaces: bool) -> dict:
     where = tempfile.mkdtemp(prefix="tandem-sandbox-copy-")
     try:
         os.chmod(where, 0o755)
-        for f in ("sandbox.py", "sandbox_boot.py"):
+        for f in ("runner.py", "boot.py"):
             shutil.copy(os.path.join(SANDBOX_DIR, f), where)
         with open(os.path.join(where, "probe.py"), "w") as f:
             f.write(("" if namespaces else NO_NAMESPACES) + PROBE)
@@ -148,7 +149,7 @@ def test_as_root_without_namespaces_the_self_test_refuses_and_says_why():
 
 def test_it_sees_the_interpreter_and_nothing_else_of_the_host(tmp_path):
     if not isolation().get("fs"):
-        pytest.skip("no mount namespace here: the sandbox degrades (see tandem.rewards.sandbox)")
+        pytest.skip("no mount namespace here: the sandbox degrades (see tandem.sandbox)")
     secret = tmp_path / "secret.txt"
     secret.write_text("s3cret")
     os.chmod(tmp_path, 0o755)
@@ -175,11 +176,11 @@ def test_it_sees_the_interpreter_and_nothing_else_of_the_host(tmp_path):
 
 def test_a_weak_sandbox_is_refused_unless_allowed_then_loudly_warned(monkeypatch, caplog):
     weak = {"net": 0, "fs": 0, "uid": 0, "pid": 0}
-    monkeypatch.setattr(coding, "self_test", lambda packages=(): weak)
-    monkeypatch.setattr(coding, "_WARNED", set())
+    monkeypatch.setattr(sandbox, "self_test", lambda packages=(): weak)
+    monkeypatch.setattr(sandbox, "_WARNED", set())
     with pytest.raises(RewardSetupError, match="sandbox is weak.*allow_weak_sandbox"):
         RewardScorer([("code", 1.0, {})], workers=0)
-    with caplog.at_level(logging.WARNING, logger="tandem.rewards"):
+    with caplog.at_level(logging.WARNING, logger="tandem.sandbox"):
         RewardScorer([("code", 1.0, {"allow_weak_sandbox": True})], workers=0).close()
     assert "CODE SANDBOX IS WEAK" in caplog.text and "kill the trainer" in caplog.text
     with pytest.raises(RewardSetupError, match="unexpected keyword argument 'cpu'"):
@@ -191,7 +192,7 @@ def test_a_broken_sandbox_stops_the_scorer_before_training(monkeypatch):
         raise SandboxBroken("the code sandbox fails its self-test on this machine: expected the standard library "
                             "imports")
 
-    monkeypatch.setattr(coding, "self_test", broken)
+    monkeypatch.setattr(sandbox, "self_test", broken)
     with pytest.raises(RewardSetupError, match="reward 'code' cannot run: the code sandbox fails its self-test"):
         RewardScorer([("code", 1.0, {})], workers=0)
     assert weak_spots({"net": 1, "fs": 1, "uid": 1, "pid": 1}) == []
@@ -222,7 +223,7 @@ def test_the_sandbox_suites_pass_as_a_user_whose_python_is_under_its_private_hom
         with open(runner, "w") as f:
             f.write(("" if namespaces else NO_NAMESPACES) +
                     "import sys, pytest\nsys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rs', "
-                    "'tests/rewards/test_sandbox.py', 'tests/rewards/test_reward_hacks.py']))\n")
+                    "'tests/sandbox/test_sandbox.py', 'tests/rewards/test_reward_hacks.py']))\n")
         script = _as_user(top, where, repo, f"{sys.executable} {runner}")
         proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
                               capture_output=True, text=True, timeout=600)

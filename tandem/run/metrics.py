@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-log = logging.getLogger("tandem.metrics")
+log = logging.getLogger("tandem.run.metrics")
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -1,4 +1,4 @@
-"""The sandbox's boot, run as `python -I -S sandbox_boot.py ...` by tandem.rewards.sandbox: it confines itself, then
+"""The sandbox's boot, run as `python -I -S boot.py ...` by tandem.sandbox.runner: it confines itself, then
 runs the program (and, to judge assert-style tests, a harness in a second process). Standard library only; never
 imported by tandem.
 

@@ -20,7 +20,7 @@ import torch
 
 from tandem.modeling import ModelFolderError, check_model_files, check_safetensors
 
-log = logging.getLogger("tandem.checkpoint")
+log = logging.getLogger("tandem.run.checkpoint")
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 # Every file of a checkpoint with its size and checksum, written into the folder before the rename publishes it.

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-log = logging.getLogger("tandem.signals")
+log = logging.getLogger("tandem.run.signals")
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 

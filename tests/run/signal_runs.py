@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 TIMING = ("time/", "tokens_per_s", "rollout/tokens_per_s", "memory/")
-CORE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent
 
 # Python keeps SIGINT ignored when it starts with it ignored (a test run from a background job): put back the
 # handler an interactive `tandem` gets, then run the command line as the `tandem` script would.
@@ -99,7 +99,7 @@ def launch(config: Path, out: Path, *flags: str) -> Launched:
     _BEFORE_LAUNCH.clear()
     _BEFORE_LAUNCH.update(_children_now())
     log = out.with_name(out.name + f"-{time.monotonic_ns()}.log")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CORE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "train", str(config), f"run.output_dir={out}", *flags],
                                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -108,11 +108,11 @@ def launch(config: Path, out: Path, *flags: str) -> Launched:
 
 
 def _children_now() -> set[int]:
-    sys.path.insert(0, str(CORE.parent / "workers"))
+    sys.path.insert(0, str(HERE.parent / "workers"))
     try:
         from procs import descendants as found
     finally:
-        sys.path.remove(str(CORE.parent / "workers"))
+        sys.path.remove(str(HERE.parent / "workers"))
     return {pid for pid, _ in found()}
 
 
@@ -168,7 +168,7 @@ def stopped_well(run: Launched, signum: int, pids: set[int]) -> int:
 
 
 def checkpoint_steps(out: Path) -> list[int]:
-    from tandem import checkpoint
+    from tandem.run import checkpoint
 
     return [step for step, _ in checkpoint.checkpoints(out / "checkpoints")]
 

@@ -6,7 +6,7 @@ from itertools import combinations
 
 import pytest
 
-from tandem.evaluation import pass_at_k
+from tandem.run.evaluation import pass_at_k
 
 
 @pytest.mark.parametrize("n, c, k", [(4, 0, 1), (4, 1, 1), (4, 1, 2), (5, 2, 3), (8, 3, 8), (6, 6, 2)])

@@ -25,7 +25,7 @@ channel the verdict travels on; it calls the program's functions over a socket a
 numbers, str, bytes, and lists, tuples, sets and dicts of them), anything else as an opaque handle that equals nothing.
 So an early `sys.exit(0)`, a printed verdict, a patched `builtins` or `AssertionError`, an `atexit` hook, `os._exit`
 after a fake success line, or a result whose `__eq__` is always true cannot pass a test: there is no secret to read and
-nothing the program does in its own process reaches the harness. `sandbox_boot.py` is the confined side.
+nothing the program does in its own process reaches the harness. `boot.py` is the confined side.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-_BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
+BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")  # the confined side
 
 # Run once per interpreter and package set with the sandbox's interpreter: which files it needs. It imports every
 # extension module of the standard library (and the allowed packages), then lists the shared objects the dynamic
@@ -351,7 +351,7 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
         timed_out = False
         with open(in_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
             # No preexec_fn: this is safe to call from any thread of a process that has threads (the trainer).
-            proc = subprocess.Popen([python, "-I", "-S", _BOOT, *args], stdin=fin, stdout=fout, stderr=ferr, env=env,
+            proc = subprocess.Popen([python, "-I", "-S", BOOT, *args], stdin=fin, stdout=fout, stderr=ferr, env=env,
                                     cwd=work, start_new_session=True, close_fds=True, pass_fds=(tests_fd, report_w))
             os.close(report_w)
             report_w = -1
@@ -447,5 +447,5 @@ def self_test(packages: tuple[str, ...] = (), python: str | None = None) -> dict
                 f"{result.returncode}, verdict {result.passed} {result.reason!r}, stdout {result.stdout[-200:]!r}, "
                 f"stderr {result.stderr[-600:]!r} (isolation {result.isolation}; interpreter {python or _interpreter()})."
                 " The interpreter and its standard library must be importable by the sandbox: see "
-                "tandem/rewards/sandbox.py")
+                "tandem/sandbox/runner.py")
     return dict(checks[0][1].isolation)

@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from tandem import checkpoint
-from tandem.metrics import METRICS_FILE, resume_history
+from tandem.run import checkpoint
+from tandem.run.metrics import METRICS_FILE, resume_history
 
-log = logging.getLogger("tandem.rundir")
+log = logging.getLogger("tandem.run.directory")
 
 LOCK_FILE = "tandem.lock"
 # What a run writes into its directory: a start that replaces a previous run removes these and nothing else.

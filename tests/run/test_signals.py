@@ -16,9 +16,9 @@ import torch
 
 from signal_runs import (checkpoint_steps, descendants, launch, settings, still_alive, stopped_well, without_timing,
                          write_config)
-from tandem import checkpoint
+from tandem.run import checkpoint
 from tandem.config import load_config
-from tandem.signals import StopSignals, Stopped
+from tandem.run.signals import StopSignals, Stopped
 from tandem.trainer import train
 
 
