@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem import residency  # noqa: E402
+from tandem.util import residency  # noqa: E402
 from tandem.config import AlgoConfig, OldLogprobs, OptimConfig  # noqa: E402
 from tandem.rollout.base import Sampling  # noqa: E402
 
@@ -130,7 +130,7 @@ def grpo_step(model_dir: Path, args, device: torch.device, offload: bool, lora=N
     sampling = Sampling(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
 
     if offload:
-        policy.offload("params", "grads", "optim", "ref")
+        policy.to_host("params", "grads", "optim", "ref")
     with meter.phase("generate"):
         completions = engine.generate(prompts, sampling)
     advantages = torch.randn(len(completions), generator=g)
@@ -139,12 +139,12 @@ def grpo_step(model_dir: Path, args, device: torch.device, offload: bool, lora=N
     if offload:
         engine.sleep()
         # on-policy with KL: this phase runs only the reference; the policy's own forward comes with the update
-        policy.load("ref")
+        policy.to_device("ref")
     with meter.phase("logprobs"):
         prepared = policy.prepare([mbs], len(completions))
     if offload:
-        policy.offload("ref")
-        policy.load("params", "optim")
+        policy.to_host("ref")
+        policy.to_device("params", "optim")
     with meter.phase("update"):
         policy.update(prepared, advantages)
     # what training keeps besides the weights: a gradient per trainable parameter (alive until the optimizer step),
@@ -152,7 +152,7 @@ def grpo_step(model_dir: Path, args, device: torch.device, offload: bool, lora=N
     accounted = {"grads": sum(p.numel() * p.element_size() for p in policy.params),
                  "optim": policy.residency()["optim"], "ref": policy.residency()["ref"]}
     if offload:
-        policy.offload("optim", "grads")
+        policy.to_host("optim", "grads")
         engine.wake()
     with meter.phase("sync"):
         engine.load_weights(policy.named_weights())

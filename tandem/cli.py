@@ -59,7 +59,7 @@ def _optional_config(args) -> None:
 
 
 def _eval(args) -> int:
-    from tandem.trainer import run_eval, prepare
+    from tandem.trainer import run_eval, start_run
 
     _optional_config(args)
     overrides = list(args.overrides)
@@ -68,7 +68,7 @@ def _eval(args) -> int:
     if args.k:
         overrides.append(f"eval.k={args.k}")
     cfg = load_config(args.config, overrides)
-    run = prepare(cfg, claim_output_dir=False)  # it writes nothing there, so it never waits on a training run
+    run = start_run(cfg, claim_output_dir=False)  # it writes nothing there, so it never waits on a training run
     try:
         print(json.dumps(run_eval(run), indent=2))
     finally:

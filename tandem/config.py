@@ -54,7 +54,11 @@ class RunConfig(Section):
         "without writing one, for models whose checkpoint outlasts the preemption's grace period; a resume then "
         "starts from the last periodic checkpoint.",
     )
-    eval_every: int = Field(0, ge=0, description="Evaluate on held-out prompts every N steps; 0 = only before and after training.")
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate on held-out prompts every N steps and after the last one; 0 = only after the "
+        "last. A new run also evaluates the model it starts from (step 0); a resumed run does not (its step 0 is in "
+        "metrics.jsonl already).",
+    )
     tensorboard: bool = Field(True, description="Also write TensorBoard event files (metrics.jsonl is always written).")
     plots: bool = Field(True, description="Write PNG plots of the main curves into output_dir at the end.")
     progress: bool = Field(True, description="Show a progress bar on the console.")
@@ -82,8 +86,8 @@ class DataConfig(Section):
     )
     path: str = Field("", description="Training data: a .jsonl/.parquet file or a `datasets` folder (for gsm8k: train.jsonl).")
     eval_path: str = Field(
-        "", description="Held-out data in the same format (for gsm8k: test.jsonl). Empty: the arithmetic task's own "
-        "held-out split; for gsm8k and jsonl the first eval_size training prompts, with a warning, since no "
+        "", description="Held-out data in the same format (for gsm8k: test.jsonl). Empty: the built-in tasks' "
+        "(arithmetic, multiply) own held-out splits; for gsm8k and jsonl the first eval_size training prompts, with a warning, since no "
         "held-out split is known there: scores on them measure memorization as much as skill.",
     )
     prompt_field: str = Field(
@@ -171,21 +175,19 @@ class RolloutConfig(Section):
         "stop_token_ids still stop). For benchmarks at a fixed length; training normally wants EOS.",
     )
     sync_bucket_mb: int = Field(
-        64, ge=1, description="Weight sync sends the trainer's tensors to a vLLM engine in buckets of about this "
-        "many MiB (a fused module is never split): bounds the extra memory of a sync. The embedded engine copies "
-        "in place and needs no buckets.",
+        64, ge=1, description="A weight sync moves the trainer's tensors in buckets of about this many MiB, which "
+        "bounds its extra memory: into a vLLM engine (a fused module is never split), over the weight channel to "
+        "split samplers (hf or vLLM), and between colocated workers resharding their shards into each engine. Only "
+        "the embedded engine of a single process needs none: it copies the weights in place.",
     )
     max_logprob_diff: float | Literal["auto"] | None = Field(
         "auto", description="Stop the run when a step's `logprob_diff` (mean |sampler - trainer| logprob of the "
         "sampled tokens, measured before the update) exceeds this: the engine is sampling with weights that are not "
         "the trainer's (a bad weight sync), and training on its samples would be training on another policy. The "
         "error names the engine and the parameters whose engine copy differs from the trainer's. `auto`: 1e-3 for "
-        "float32 models, 5e-2 for bfloat16/float16. Measured on CPU (tiny Qwen2, 4 steps): float32 1.1e-7..1.7e-7 "
-        "with hf or vLLM; bfloat16 0 with hf (the same kernels), 0.9e-3..1.0e-3 with vLLM; one tensor of a sync "
-        "given noise of half its std: 7e-3..1.7e-2. Each bound is ~50x the noise measured for its dtype; bf16 on "
-        "GPU is not measured yet, and at 5e-2 only gross corruption (a zeroed, missing-in-effect or foreign "
-        "tensor) stops a bf16 run. null = off. Not checked on stale (async) batches, whose difference includes "
-        "the policy's own drift.",
+        "float32 models, 5e-2 for bfloat16/float16, each ~50x the difference measured on CPU for its dtype "
+        "(docs/design-notes.md has the figures; bf16 on GPU is not measured yet). null = off. Not checked on stale "
+        "(async) batches, whose difference includes the policy's own drift.",
     )
 
     def logprob_diff_bound(self, dtype: str) -> float | None:
@@ -206,8 +208,8 @@ class BatchConfig(Section):
     )
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one forward/backward (prompt + completion tokens, after padding "
-        "inside the micro-batch; where the trainer runs each prompt once, Qwen2/Llama without FSDP, a prompt counts "
-        "once for all its rows there). Bounds memory; does not change the result.",
+        "inside the micro-batch; where the trainer runs each prompt once, Qwen2/Llama trained by one process with "
+        "no FSDP or TP mesh, a prompt counts once for all its rows there). Bounds memory; does not change the result.",
     )
 
 
@@ -267,7 +269,9 @@ class AlgoConfig(Section):
         "sample more prompts until prompts_per_step groups survive.",
     )
     max_sampling_rounds: int = Field(
-        4, ge=1, description="Cap on rollout rounds per step under dynamic_sampling; then train on what survived.",
+        4, ge=1, description="Cap on rollout rounds per step under dynamic_sampling; then train on the groups that "
+        "survived, or, where none did, on the last round's groups as they are (all their advantages are 0 under a "
+        "group baseline: the step trains on the KL and entropy terms only).",
     )
     overlong_buffer: int = Field(
         0, ge=0, description="DAPO soft overlong punishment: the reward ramps down over the last N tokens before "
@@ -419,8 +423,9 @@ class PlacementConfig(Section):
         "samplers and trainers run on nodes of their own; empty = anywhere with room.",
     )
     call_timeout_s: float = Field(
-        0.0, ge=0.0, description="A worker call running longer than this stops the run with an error naming the "
-        "workers still running; 0 = no limit. Dead workers are detected without it.",
+        0.0, ge=0.0, description="Ray backend: a worker call running longer than this stops the run with an error "
+        "naming the workers still running; 0 = no limit. Dead workers are detected without it. The local backend's "
+        "one worker runs in this process, and its calls are not timed.",
     )
     sync_timeout_s: float = Field(
         300.0, gt=0.0, description="split: the longest one message of a weight sync (a bucket, at most "
@@ -511,7 +516,8 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Config":
+    def _length_checks(self) -> "Config":
+        """Batch arithmetic, sequence lengths against their budgets, and the data and rewards a run needs."""
         b = self.batch
         if b.prompts_per_step % b.mini_batches:
             raise ConfigError(
@@ -534,6 +540,11 @@ class Config(Section):
             raise ConfigError(f"data.path: empty, but data.task={self.data.task!r} reads a file; set data.path")
         if not self.rewards:
             raise ConfigError("rewards: empty; name at least one reward function")
+        return self
+
+    @model_validator(mode="after")
+    def _placement_checks(self) -> "Config":
+        """Where the workers run, and what the engines and adapters need of that."""
         pl = self.placement
         distributed = pl.workers > 1 or pl.mode == "split"
         if distributed and pl.backend != "ray":

@@ -100,6 +100,17 @@ def teacher_answer(a: int, b: int, rng: random.Random, carry_error: float) -> st
     return arithmetic.carryless(a, b) if rng.random() < carry_error else arithmetic.answer(a, b)
 
 
+def masked_nll(model, seqs, masks, pad_id: int) -> torch.Tensor:
+    """The warm starts' supervised loss: mean next-token NLL over the tokens whose mask is 1, the sequences padded
+    on the right with `pad_id`."""
+    width = max(map(len, seqs))
+    ids = torch.tensor([list(s) + [pad_id] * (width - len(s)) for s in seqs])
+    loss_mask = torch.tensor([list(m) + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    return (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+
+
 def warm_start(model, tokenizer, spec: DemoModelSpec) -> tuple[float, float, int]:
     """Supervised steps on the imperfect teacher's answers to train questions, until the model's greedy answers on
     held-out questions are the teacher's (correct or carry-less); returns (accuracy, agreement, steps)."""
@@ -119,12 +130,7 @@ def warm_start(model, tokenizer, spec: DemoModelSpec) -> tuple[float, float, int
             ans = tokenizer.encode(teacher_answer(a, b, rng, spec.teacher_carry_error)) + [eos]
             seqs.append(q + ans)
             masks.append([0] * len(q) + [1] * len(ans))
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
-        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        loss = masked_nll(model, seqs, masks, eos)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -307,12 +313,7 @@ def tool_warm_start(model, tokenizer, spec: ToolDemoSpec) -> tuple[dict, int]:
     while step < spec.warm_max_steps:
         seqs, masks = zip(*(tool_transcript(tokenizer, a, b, tool_teacher(a, b, rng, spec))
                             for a, b in rng.sample(pairs, spec.warm_batch)))
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
-        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        loss = masked_nll(model, seqs, masks, eos)
         opt.zero_grad()
         loss.backward()
         for group in opt.param_groups:

@@ -1,52 +1,50 @@
-"""The controller: GRPO's loop over the workers (sync or async schedule), with eval, checkpoint and metrics cadence."""
+"""The controller: GRPO's loop (`_train`), the step it repeats (`grpo_step`), and a run's start (`start_run`)."""
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict, deque
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tandem.run import checkpoint
+from tandem.algo import ADVANTAGES
 from tandem.architectures import check_supported
-from tandem.rollout.multiturn import conversation_stats
-from tandem.train import lora
-from tandem.algo import ADVANTAGES, first_k_groups, nonzero_variance_groups, overlong_penalty, truncation_mask
 from tandem.config import Config, ConfigError
 from tandem.data.sources import Prompt, PromptStream, load_task_rows, tokenize_rows
-from tandem.run.evaluation import evaluate
-from tandem.run.metrics import METRICS_FILE, MetricsLog
 from tandem.modeling import check_model_folder, load_tokenizer
 from tandem.rewards import RewardScorer
-from tandem.rollout import Samples, Sampling
+from tandem.run import checkpoint
 from tandem.run.directory import RunLock, Start, claim
+from tandem.run.evaluation import evaluate
+from tandem.run.metrics import METRICS_FILE, MetricsLog
 from tandem.run.signals import StopSignals, Stopped
+from tandem.run.source import RolloutSource, sampling_for
+from tandem.train import lora
+from tandem.util.rng import rng_state, set_rng_state
 from tandem.workers import placement
 from tandem.workers.group import Pending
-from tandem.workers.placement import PendingRollout, Placement, Rollout, Synced
+from tandem.workers.placement import Placement, Synced
 
 log = logging.getLogger("tandem.trainer")
-
-STOP_POLL_S = 0.25  # how often a wait for samples looks for a stop request (its latency; each look is one ray.wait)
 
 
 @dataclass
 class Run:
+    """A started run: its workers, where its batches come from, what scores them, and where it stands."""
+
     cfg: Config
-    stream: PromptStream
-    eval_prompts: list[Prompt]
-    scorer: RewardScorer
-    correct_reward: str
     workers: Placement
+    source: RolloutSource
+    scorer: RewardScorer
+    correct_reward: str  # the reward whose score >= 1 counts as correct (the first listed)
+    eval_prompts: list[Prompt]
     start_step: int = 0
     resumed: bool = False
-    rollouts: "Rollouts | None" = None
-    last_finished: float = 0.0  # wall-clock end of the last finished step's weight sync
     lock: RunLock | None = None  # on run.output_dir, for the run's lifetime (None: evaluation only)
-    stop: StopSignals = field(default_factory=StopSignals)  # `train` installs its own; this one never fires
+    stop: StopSignals = field(default_factory=StopSignals)  # `train` passes its own; this one never fires
+    last_finished: float = 0.0  # wall-clock end of the last finished step's weight sync
 
     def close(self) -> None:
         try:
@@ -57,242 +55,68 @@ class Run:
                 self.lock.release()
 
 
-class Timer(defaultdict):
-    def __init__(self):
-        super().__init__(float)
+def train(cfg: Config, resume: bool | Start = False) -> dict[str, float]:
+    """Run GRPO as configured; returns the final evaluation (and the first one, when this run made it).
 
-    @contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
+    SIGTERM or SIGINT raises `tandem.run.signals.Stopped`: the step whose update is queued on the workers
+    finishes, a step still sampling or scoring is dropped, the last completed step is checkpointed
+    (run.save_on_signal), metrics are flushed and every worker stops. A second signal raises it at once, unsaved."""
+    r = cfg.run
+    then = ("saves a checkpoint of the last completed step" if r.save_on_signal
+            else "exits unsaved (run.save_on_signal=false)")
+    with StopSignals(then) as stop:
         try:
-            yield
-        finally:
-            self[phase] += time.perf_counter() - start
+            run = start_run(cfg, resume, stop=stop)  # a signal while starting stops at once: no step to save
+            stop.running()
+            return _train(run)
+        except Stopped as stopped:
+            if not stopped.saved:
+                stopped.checkpoint = checkpoint.latest(Path(r.output_dir) / "checkpoints")
+            raise
 
 
-def prepare(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool = True) -> Run:
-    """Check everything that can be checked (model folder, tokenizer, data, the run directory, rewards), then start
-    the workers. `resume`: True or False (`resume` / `start`), or a `tandem.run.directory.Start`. `claim_output_dir=False`
-    (evaluation) neither locks nor reads run.output_dir."""
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    check_model_folder(cfg.model.path)
-    check_supported(cfg)  # the architecture in this engine and placement, before any model loads
-    placement.check_devices(cfg)  # and the devices that placement needs
-    lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)  # adapters PEFT can place, on no weights
-    if cfg.env.name:  # the environment resolves and takes its arguments, before any model loads
-        from tandem.rollout.tools import make_environment
-
-        make_environment(cfg.env.name, **cfg.env.kwargs)
-    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    d = cfg.data
-    train_rows = load_task_rows(d.task, d.path, d.prompt_field, d.answer_field, "train")
-    train = tokenize_rows(train_rows, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens, d.path or d.task,
-                          d.overlong_prompts)
-    if d.eval_path or d.task in ("arithmetic", "multiply"):  # the built-in tasks have a held-out split
-        eval_rows = load_task_rows(d.task, d.eval_path or d.path, d.prompt_field, d.answer_field, "test")
-        eval_prompts = tokenize_rows(eval_rows[: d.eval_size], tokenizer, d.chat_template, d.system_prompt,
-                                     d.max_prompt_tokens, d.eval_path or d.task, d.overlong_prompts)
-    else:
-        eval_prompts = train[: d.eval_size]  # no held-out split given: say so in the logs
-        log.warning("no data.eval_path: evaluating on the first %d training prompts", len(eval_prompts))
-    with ExitStack() as undo:  # what a start that fails before the run exists must close again
-        lock, last = None, None
-        if claim_output_dir:
-            start = {True: "resume", False: "start"}.get(resume, resume)
-            lock, last = claim(Path(cfg.run.output_dir), start)
-            undo.callback(lock.release)
-            if last is not None:
-                _refuse_nothing_to_train(cfg, last)
-        pool = cfg.reward_pool
-        scorer = RewardScorer(cfg.rewards, timeout_s=pool.timeout_s, workers=pool.workers,
-                              step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate)
-        undo.callback(scorer.close)  # its worker processes started early, to warm up while the models load
-        correct = cfg.rewards[0].name
-        workers = placement.build(cfg)
-        undo.callback(workers.shutdown)
-        stream = PromptStream(train, cfg.run.seed)
-        start_step = 0
-        if last is not None:
-            state = checkpoint.load_state(last)
-            workers.load(str(last), state["step"])
-            stream.load_state_dict(state["data"])
-            start_step = state["step"]
-            changed = _changed_keys(state.get("config", {}), cfg.model_dump(mode="json"))
-            if changed:
-                log.warning("resuming with a config that differs from the checkpoint's in: %s", ", ".join(changed))
-            log.info("resumed from %s (step %d)", last, start_step)
-        run = Run(cfg, stream, eval_prompts, scorer, correct, workers, start_step, resumed=last is not None, lock=lock)
-        run.rollouts = Rollouts(run)
-        undo.pop_all()
-    return run
-
-
-def _refuse_nothing_to_train(cfg: Config, last: Path) -> None:
-    """A resume whose run.steps the checkpoint has reached already would exit having done nothing: refuse it."""
-    step = int(checkpoint.STEP_DIR.match(last.name).group(1))  # its trainer state agrees (checkpoint.problems)
-    if cfg.run.steps <= step:
-        raise ConfigError(
-            f"run.steps: {cfg.run.steps}, but the run in {cfg.run.output_dir} is at step {step} already "
-            f"({last.name}): resuming it would train nothing. Raise run.steps above {step} to train further, or "
-            f"evaluate the checkpoint: tandem eval ... --model {last}")
-
-
-def sampling_for(cfg: Config, seed: int) -> Sampling:
-    r = cfg.rollout
-    return Sampling(n=cfg.batch.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                    max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), stop_token_ids=tuple(r.stop_token_ids),
-                    ignore_eos=r.ignore_eos, seed=seed)
-
-
-@dataclass
-class InFlight:
-    prompts: list[Prompt]
-    pending: PendingRollout
-    stream_state: dict  # the prompt stream before this batch was taken: where a resume must restart
-
-
-class Rollouts:
-    """Where each step's samples come from. `sync`: sampled now, with the weights just synced. `async`: sampled
-    ahead by the samplers while the trainers train, at most `max_staleness` policy versions behind."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        pl = run.cfg.placement
-        self.depth = pl.max_staleness if pl.schedule == "async" else 0
-        self.ahead: deque[InFlight] = deque()
-        self.next_step = run.start_step + 1
-
-    def _submit(self, step: int, rnd: int = 0) -> InFlight:
-        run = self.run
-        state = run.stream.state_dict()
-        prompts = run.stream.take(run.cfg.batch.prompts_per_step)
-        seed = run.cfg.run.seed * 1_000_003 + step * 97 + rnd
-        return InFlight(prompts, run.workers.submit_generate([p.ids for p in prompts], sampling_for(run.cfg, seed)),
-                        state)
-
-    def take(self, step: int, rnd: int, t: Timer) -> tuple[list[Prompt], Rollout]:
-        if not self.depth:
-            with t("rollout"):
-                f = self._submit(step, rnd)
-                return f.prompts, self._wait(f)
-        while len(self.ahead) <= self.depth:  # the batch for this step plus `depth` ahead: the sampler never waits
-            self.ahead.append(self._submit(self.next_step))
-            self.next_step += 1
-        f = self.ahead.popleft()
-        with t("rollout"):  # under async this is the trainer's idle time waiting for samples
-            return f.prompts, self._wait(f)
-
-    def _wait(self, f: InFlight) -> Rollout:
-        """The samples, unless a stop is asked for first: a step still sampling is what a stop drops."""
-        while True:
-            self.run.stop.check()
+def _train(run: Run) -> dict[str, float]:
+    """The loop. Each step's batch comes from the rollout source while the step before it still trains; that step
+    is then concluded (metrics, evaluation, checkpoint at their periods). A stop ends it between steps."""
+    cadence = Cadence(run)
+    try:
+        cadence.start()
+        queued: Launched | None = None  # a step whose update may still be running on the workers
+        for step in range(run.start_step + 1, run.cfg.run.steps + 1):
+            restart = run.source.resume_state(), rng_state()  # what a stop before this step's update saves
+            if run.stop.signum is not None:
+                break
             try:
-                return f.pending.get(timeout=STOP_POLL_S)
-            except TimeoutError:
-                pass
-
-    def resume_state(self) -> dict:
-        """The prompt stream as a resumed run must see it: batches sampled ahead but not trained are redone."""
-        return self.ahead[0].stream_state if self.ahead else self.run.stream.state_dict()
-
-
-@dataclass
-class Scored:
-    """A step's samples so far and their scores, over its sampling rounds."""
-
-    samples: Samples
-    totals: list[float]  # the summed reward of each row
-    per_fn: dict[str, list[float]]  # each reward function's score of each row
-
-    def concat(self, other: "Scored") -> "Scored":
-        """These rows, then another round's (see `Samples.concat`)."""
-        return Scored(self.samples.concat(other.samples), self.totals + other.totals,
-                      {k: v + other.per_fn[k] for k, v in self.per_fn.items()})
-
-    def select(self, rows: list[int]) -> "Scored":
-        """These rows, in this order (see `Samples.select`)."""
-        return Scored(self.samples.select(rows), [self.totals[i] for i in rows],
-                      {k: [v[i] for i in rows] for k, v in self.per_fn.items()})
-
-
-def _score_round(run: Run, step: int, rnd: int, t: Timer, stats: dict, errors: dict, last_error: dict) -> Scored:
-    """One rollout round of a step, taken and scored; its timings, staleness and reward errors go into `stats`."""
-    cfg = run.cfg
-    batch, rollout = run.rollouts.take(step, rnd, t)
-    staleness = (step - 1) - rollout.version  # the trainer is at version step - 1 before this update
-    stats["async/staleness"] = max(stats["async/staleness"], staleness)
-    stats["time/sampler_idle"] += rollout.idle_seconds
-    stats["time/weight_load"] += rollout.load_seconds
-    stats["time/generate"] += rollout.seconds
-    if staleness > cfg.placement.max_staleness:  # cannot happen with the schedule above; never train on it
-        raise RuntimeError(f"step {step}: a batch sampled by policy version {rollout.version} is {staleness} "
-                           f"versions old, over placement.max_staleness={cfg.placement.max_staleness}")
-    new = rollout.samples
-    with t("reward"):
-        rows = [batch[g].row for g in new.group.tolist()]
-        res = run.scorer.score([c.text for c in new.completions], [r["question"] for r in rows], rows)
-    last_error.update(res.last_error)
-    stats["time/reward_budget_used"] = max(stats["time/reward_budget_used"], res.budget_used)
-    for name, n_err in res.errors.items():
-        stats[f"reward/errors/{name}"] += n_err
-        errors[name] += n_err
-    for name, kinds in res.error_kinds.items():
-        for kind, n_err in kinds.items():
-            stats[f"reward/errors/{name}/{kind}"] += n_err
-    totals, per_fn = list(res.total), dict(res.per_fn)
-    if cfg.env.name:  # an environment's own rewards (StepResult.reward, summed over the conversation) count too
-        own = [float(c.meta.get("env_reward") or 0.0) for c in new.completions]
-        totals, per_fn["env"] = [a + b for a, b in zip(totals, own)], own
-    return Scored(new, totals, per_fn)
-
-
-def _reward_stats(scored: Scored, correct_reward: str, prefix: str = "") -> dict[str, float]:
-    """Each reward function's mean and std, and the share scored correct, over these rows."""
-    out = {}
-    for name, scores in scored.per_fn.items():
-        t_scores = torch.tensor(scores, dtype=torch.float64)
-        out[f"{prefix}reward/{name}"] = float(t_scores.mean())
-        out[f"{prefix}reward/{name}/std"] = float(t_scores.std()) if len(scores) > 1 else 0.0
-    out[f"{prefix}train/accuracy"] = sum(s >= 1.0 for s in scored.per_fn[correct_reward]) / len(scored.samples)
-    return out
-
-
-def collect(run: Run, step: int, t: Timer) -> tuple[Scored, dict]:
-    """Take a step's groups and score them; with dynamic sampling, keep sampling until enough groups have a reward
-    spread (or the round cap is hit), and train on the first prompts_per_step of them. `reward/*` and
-    `train/accuracy` describe what is trained on; under dynamic sampling `sampled/reward/*` and
-    `sampled/train/accuracy` describe everything sampled, every round."""
-    cfg, a = run.cfg, run.cfg.algo
-    P = cfg.batch.prompts_per_step
-    stats: dict[str, float] = defaultdict(float)
-    errors, last_error = defaultdict(int), {}  # over the step's rounds: the error-rate limit's input
-    rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
-    scored: Scored | None = None
-    n_scored = 0
-    for rnd in range(rounds):
-        new = _score_round(run, step, rnd, t, stats, errors, last_error)
-        n_scored += len(new.samples)
-        scored = new if scored is None else scored.concat(new)
-        if not a.dynamic_sampling:
-            break
-        keep = nonzero_variance_groups(torch.tensor(scored.totals), scored.samples.group)
-        kept_groups = len(set(scored.samples.group[keep].tolist()))
-        if kept_groups >= P or rnd == rounds - 1:
-            stats.update({"dynamic/kept_group_frac": kept_groups / scored.samples.num_groups,
-                          "dynamic/rounds": rnd + 1, **_reward_stats(scored, run.correct_reward, "sampled/")})
-            rows = first_k_groups(scored.samples.group, keep, P).tolist()
-            # nothing has a reward spread: train on the last round rather than on nothing
-            scored = scored.select(rows or list(range(len(scored.samples) - len(new.samples), len(scored.samples))))
-            break
-    stats.update(run.scorer.error_limit.observe(n_scored, errors, last_error))  # raises: stop before training on it
-    stats.update(_reward_stats(scored, run.correct_reward))
-    return scored, stats
+                launched = grpo_step(run, step)  # this step's samples were scored while `queued` trained
+            except Stopped as stopped:
+                if stopped.second:
+                    raise
+                break  # asked to stop before its update was queued: only its samples and scores are lost
+            except BaseException:
+                if queued is not None:  # its update ran (or failed too): its metrics are not lost with this step
+                    with suppress(Exception):
+                        cadence.conclude(queued)
+                raise
+            if queued is not None:
+                cadence.conclude(queued)
+            queued = launched
+            if cadence.due(step):  # evaluation and checkpoints see this step's update, and nothing queued after it
+                cadence.conclude(queued)
+                queued = None
+        else:
+            return cadence.finish()
+        if queued is not None:
+            cadence.conclude(queued)  # its update is on the workers already: wait for it, so it is saved and logged
+        raise _stopped(run, cadence.done, *restart)
+    finally:
+        with run.stop.closing():
+            cadence.close()
+            run.close()
 
 
 @dataclass
 class Launched:
-    """A step whose samples are scored and whose update and weight sync are queued on the workers."""
+    """A step whose batch is scored and whose update and weight sync are queued on the workers."""
 
     step: int
     metrics: dict[str, float]
@@ -304,25 +128,22 @@ class Launched:
 
 
 def grpo_step(run: Run, step: int) -> Launched:
-    """Sample (or take the samples made ahead), score, compute advantages and queue the update and the weight
-    sync. It returns without waiting for them: the next step's samples are scored while this one trains."""
-    cfg, a = run.cfg, run.cfg.algo
-    t, launched_at = Timer(), time.time()
-    scored, m = collect(run, step, t)
+    """Take the step's batch (sampled, scored, filtered and shaped by the rollout source), queue its old and
+    reference logprobs, compute the advantages, queue the update and the weight sync. It returns without waiting
+    for them: the next step's batch is scored while this one trains."""
+    a = run.cfg.algo
+    launched_at = time.time()
+    batch, m = run.source.next(step)
     run.stop.check()  # the last moment a stop can drop this step: next, its update is queued
-    samples = scored.samples
+    samples = batch.samples
     lengths = samples.completion_lengths
     run.workers.observe_lengths(lengths)
-    reward = torch.tensor(scored.totals, dtype=torch.float32)
-    if a.overlong_buffer:
-        reward = reward + overlong_penalty(lengths, cfg.max_completion_tokens, a.overlong_buffer,
-                                           a.overlong_penalty).float()
     prepared = run.workers.prepare(samples)  # queued behind the previous step's update and sync
+    reward = batch.rewards
     if a.kl_in_reward:
         reward = reward - prepared.get()[0].float()
-    sampled = samples.sampled_lengths  # what the policy wrote: a tool's tokens are not trained on
-    trained_tokens = sampled * truncation_mask(samples.truncated).long() if a.mask_truncated else sampled
-    adv = ADVANTAGES[a.advantage](reward, samples.group, lengths=trained_tokens, eps=a.adv_eps)
+    # an advantage weighs a row by the tokens it trains on: what the policy sampled, not a tool's, nor a masked row's
+    adv = ADVANTAGES[a.advantage](reward, samples.group, lengths=samples.sampled_lengths, eps=a.adv_eps)
     trained = run.workers.train(adv)
     synced = run.workers.sync_weights(step)
     m.update({
@@ -331,11 +152,8 @@ def grpo_step(run: Run, step: int) -> Launched:
         "advantage/abs_mean": float(adv.abs().mean()),
         "completion/length_mean": float(lengths.float().mean()), "completion/length_max": int(lengths.max()),
         "completion/truncated_frac": int(samples.truncated.sum()) / len(samples),
-        "time/rollout": t["rollout"], "time/reward": t["reward"],
         "rollout/tokens_per_s": int(lengths.sum()) / max(m["time/generate"], 1e-9),
     })
-    if cfg.env.name:
-        m.update(conversation_stats(samples.completions))
     tokens = int(lengths.sum()) + sum(len(c.prompt_ids) for c in samples.completions)
     return Launched(step, m, launched_at, tokens, prepared, trained, synced)
 
@@ -355,125 +173,85 @@ def finish(run: Run, s: Launched) -> dict[str, float]:
     return m
 
 
+class Cadence:
+    """What follows a step's update, at the run's periods: its metrics logged (metrics.jsonl, TensorBoard), the
+    evaluation (run.eval_every, and after the last step) and the checkpoint (run.save_every, and after the last
+    step) of the weights it made, the progress bar. `done` is the last step whose update is in the weights and
+    whose metrics are logged."""
+
+    def __init__(self, run: Run):
+        self.run, self.done = run, run.start_step
+        self.metrics: MetricsLog | None = None
+        self.bar = None
+        self.summary: dict[str, float] = {}
+
+    def start(self) -> None:
+        """Open the metrics log; a new run evaluates its starting model first (step 0)."""
+        run, r = self.run, self.run.cfg.run
+        self.metrics = MetricsLog(Path(r.output_dir), r.tensorboard, run.start_step if run.resumed else None)
+        if run.start_step == 0:
+            first = run_eval(run)
+            self.metrics.log(0, first)
+            self.summary.update({f"initial_{k}": v for k, v in first.items()})
+            log.info("step 0 eval: %s", _fmt(first))
+        self.bar = _progress(r.progress, run.start_step, r.steps)
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is evaluated or saved: then nothing may be queued after it before it is concluded."""
+        return self._evaluates(step) or self._saves(step)
+
+    def _evaluates(self, step: int) -> bool:
+        return _every(self.run.cfg.run.eval_every, step) or step == self.run.cfg.run.steps
+
+    def _saves(self, step: int) -> bool:
+        return _every(self.run.cfg.run.save_every, step) or step == self.run.cfg.run.steps
+
+    def conclude(self, s: Launched) -> None:
+        m = finish(self.run, s)
+        if self._evaluates(s.step):
+            m.update(run_eval(self.run))
+        self.metrics.log(s.step, m)
+        if self._saves(s.step):
+            save(self.run, s.step)
+        self.done = s.step
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['train/accuracy']:.2f}",
+                                 **({"eval": f"{m['eval/accuracy']:.2f}"} if "eval/accuracy" in m else {}))
+
+    def finish(self) -> dict[str, float]:
+        """The run is complete: the final evaluation's figures (and the first one's), the curves, a summary."""
+        if self.bar is not None:
+            self.bar.close()
+        final = self.metrics.history[-1] if self.metrics.history else {}
+        self.summary.update({k: v for k, v in final.items() if k.startswith("eval/")})
+        if self.run.cfg.run.plots:
+            self.metrics.plot()
+        print(self.metrics.summary())
+        return self.summary
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
 def run_eval(run: Run) -> dict[str, float]:
+    """The held-out evaluation with the policy's current weights, sampled as the run samples (`sampling_for`)."""
     cfg = run.cfg
-
-    def gen(ids, sampling):
-        return run.workers.generate(ids, sampling).samples
-
-    res = evaluate(gen, run.eval_prompts, run.scorer, run.correct_reward, cfg.rollout.max_new_tokens,
-                   k=cfg.eval.k, temperature=cfg.eval.temperature, seed=cfg.run.seed, stop=tuple(cfg.rollout.stop))
+    res = evaluate(lambda ids, sampling: run.workers.generate(ids, sampling).samples, run.eval_prompts, run.scorer,
+                   run.correct_reward, sampling_for(cfg, cfg.run.seed), k=cfg.eval.k, temperature=cfg.eval.temperature)
     return {f"eval/{k}": v for k, v in res.items()}
 
 
 def save(run: Run, step: int, data: dict | None = None) -> Path:
-    """Checkpoint `step`; `data`: the prompt stream's position a resume starts from (default: the rollouts' now)."""
-    data = run.rollouts.resume_state() if data is None else data
+    """Checkpoint `step`; `data`: the prompt stream's position a resume starts from (default: the source's now)."""
+    data = run.source.resume_state() if data is None else data
     state = {"step": step, "data": data, "config": run.cfg.model_dump(mode="json")}
     out = Path(run.cfg.run.output_dir)
     return checkpoint.save(out / "checkpoints", step, run.workers.save, state, run.cfg.run.keep_checkpoints,
                            flush_first=[out / METRICS_FILE])
-
-
-def train(cfg: Config, resume: bool | Start = False) -> dict[str, float]:
-    """Run GRPO as configured; returns the final evaluation (and the first one, when this run made it).
-
-    SIGTERM or SIGINT raises `tandem.run.signals.Stopped`: the step whose update is queued on the workers finishes, a
-    step still sampling or scoring is dropped, the last completed step is checkpointed (run.save_on_signal), metrics
-    are flushed and every worker stops. A second signal raises it at once, unsaved."""
-    r = cfg.run
-    then = ("saves a checkpoint of the last completed step" if r.save_on_signal
-            else "exits unsaved (run.save_on_signal=false)")
-    with StopSignals(then) as stop:
-        try:
-            run = prepare(cfg, resume)  # a signal while starting stops at once: no step has finished to save
-            run.stop = stop
-            stop.running()
-            return _train(run)
-        except Stopped as stopped:
-            if not stopped.saved:
-                stopped.checkpoint = checkpoint.latest(Path(r.output_dir) / "checkpoints")
-            raise
-
-
-def _train(run: Run) -> dict[str, float]:
-    r = run.cfg.run
-    summary: dict[str, float] = {}
-    metrics: MetricsLog | None = None
-    bar = None
-    try:
-        metrics = MetricsLog(Path(r.output_dir), r.tensorboard, r.name, run.start_step if run.resumed else None)
-        if run.start_step == 0:
-            first = run_eval(run)
-            metrics.log(0, first)
-            summary.update({f"initial_{k}": v for k, v in first.items()})
-            log.info("step 0 eval: %s", _fmt(first))
-        bar = _progress(r.progress, run.start_step, r.steps)
-
-        def evaluates(step: int) -> bool:
-            return _every(r.eval_every, step) or step == r.steps
-
-        def saves(step: int) -> bool:
-            return _every(r.save_every, step) or step == r.steps
-
-        done = run.start_step  # the last step whose update is in the weights and whose metrics are logged
-
-        def conclude(s: Launched) -> None:
-            nonlocal done
-            m = finish(run, s)
-            if evaluates(s.step):
-                m.update(run_eval(run))
-            metrics.log(s.step, m)
-            if saves(s.step):
-                save(run, s.step)
-            done = s.step
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['train/accuracy']:.2f}",
-                                **({"eval": f"{m['eval/accuracy']:.2f}"} if "eval/accuracy" in m else {}))
-
-        queued: Launched | None = None  # a step whose update may still be running on the workers
-        for step in range(run.start_step + 1, r.steps + 1):
-            # What a checkpoint of the step before this one records, should a stop drop this one half-sampled.
-            restart = run.rollouts.resume_state(), checkpoint.rng_state()
-            if run.stop.signum is not None:
-                break
-            try:
-                launched = grpo_step(run, step)  # this step's samples were scored while `queued` trained
-            except Stopped as stopped:
-                if stopped.second:
-                    raise
-                break  # asked to stop before its update was queued: only its samples and scores are lost
-            except BaseException:
-                if queued is not None:  # its update ran (or failed too): its metrics are not lost with this step
-                    with suppress(Exception):
-                        conclude(queued)
-                raise
-            if queued is not None:
-                conclude(queued)
-            queued = launched
-            if evaluates(step) or saves(step):
-                conclude(queued)  # evaluation and checkpoints see this step's update, and nothing queued after it
-                queued = None
-        else:
-            if bar is not None:
-                bar.close()
-            final = metrics.history[-1] if metrics.history else {}
-            summary.update({k: v for k, v in final.items() if k.startswith("eval/")})
-            if r.plots:
-                metrics.plot()
-            print(metrics.summary())
-            return summary
-        if queued is not None:
-            conclude(queued)  # its update is on the workers already: wait for it, so that it is saved and logged
-        raise _stopped(run, done, *restart)
-    finally:
-        with run.stop.closing():
-            if bar is not None:
-                bar.close()
-            if metrics is not None:
-                metrics.close()
-            run.close()
 
 
 def _stopped(run: Run, done: int, data: dict, rng: dict) -> Stopped:
@@ -484,9 +262,95 @@ def _stopped(run: Run, done: int, data: dict, rng: dict) -> Stopped:
     if have and have[-1][0] == done:
         stopped.checkpoint, stopped.saved = have[-1][1], True
     elif done > 0 and run.cfg.run.save_on_signal:
-        checkpoint.set_rng_state(rng)  # as step `done` left it: nothing the dropped step drew reaches the resume
+        set_rng_state(rng)  # as step `done` left it: nothing the dropped step drew reaches the resume
         stopped.checkpoint, stopped.saved = save(run, done, data), True
     return stopped
+
+
+# ---------------------------------------------------------------------------------------------------- start
+
+
+def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bool = True,
+              stop: StopSignals | None = None) -> Run:
+    """Check everything that can be checked (model folder, architecture, devices, tokenizer, data, the run
+    directory, rewards), then start the workers and resume them from the last checkpoint. `resume`: True or False
+    (`resume` / `start`), or a `tandem.run.directory.Start`. `claim_output_dir=False` (evaluation) neither locks nor
+    reads run.output_dir. `stop`: the run's stop signals (default: ones that never fire)."""
+    _check_before_loading(cfg)
+    train_prompts, eval_prompts = _prompts(cfg)
+    stop = stop or StopSignals()
+    with ExitStack() as undo:  # what a start that fails before the run exists must close again
+        lock, last = None, None
+        if claim_output_dir:
+            lock, last = claim(Path(cfg.run.output_dir), {True: "resume", False: "start"}.get(resume, resume))
+            undo.callback(lock.release)
+            if last is not None:
+                _refuse_nothing_to_train(cfg, last)
+        pool = cfg.reward_pool
+        scorer = RewardScorer(cfg.rewards, timeout_s=pool.timeout_s, workers=pool.workers,
+                              step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate)
+        undo.callback(scorer.close)  # its worker processes started early, to warm up while the models load
+        workers = placement.build(cfg)
+        undo.callback(workers.shutdown)
+        stream = PromptStream(train_prompts, cfg.run.seed)
+        start_step = 0 if last is None else _resume(cfg, workers, stream, last)
+        correct = cfg.rewards[0].name
+        source = RolloutSource(cfg, stream, workers, scorer, correct, start_step, stop.check)
+        run = Run(cfg, workers, source, scorer, correct, eval_prompts, start_step, last is not None, lock, stop)
+        undo.pop_all()
+    return run
+
+
+def _check_before_loading(cfg: Config) -> None:
+    """What can be refused before any model loads: the model folder, its architecture in this engine and
+    placement, the devices that placement needs, LoRA's targets (on no weights), the environment's arguments."""
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    check_model_folder(cfg.model.path)
+    check_supported(cfg)
+    placement.check_devices(cfg)
+    lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)
+    if cfg.env.name:
+        from tandem.rollout.tools import make_environment
+
+        make_environment(cfg.env.name, **cfg.env.kwargs)
+
+
+def _prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
+    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by its line)."""
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    d = cfg.data
+    rows = load_task_rows(d.task, d.path, d.prompt_field, d.answer_field, "train")
+    train = tokenize_rows(rows, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens, d.path or d.task,
+                          d.overlong_prompts)
+    if not d.eval_path and d.task not in ("arithmetic", "multiply"):  # the built-in tasks have a held-out split
+        log.warning("no data.eval_path: evaluating on the first %d training prompts", len(train[: d.eval_size]))
+        return train, train[: d.eval_size]
+    held = load_task_rows(d.task, d.eval_path or d.path, d.prompt_field, d.answer_field, "test")
+    return train, tokenize_rows(held[: d.eval_size], tokenizer, d.chat_template, d.system_prompt,
+                                d.max_prompt_tokens, d.eval_path or d.task, d.overlong_prompts)
+
+
+def _refuse_nothing_to_train(cfg: Config, last: Path) -> None:
+    """A resume whose run.steps the checkpoint has reached already would exit having done nothing: refuse it."""
+    step = int(checkpoint.STEP_DIR.match(last.name).group(1))  # its trainer state agrees (checkpoint.problems)
+    if cfg.run.steps <= step:
+        raise ConfigError(
+            f"run.steps: {cfg.run.steps}, but the run in {cfg.run.output_dir} is at step {step} already "
+            f"({last.name}): resuming it would train nothing. Raise run.steps above {step} to train further, or "
+            f"evaluate the checkpoint: tandem eval ... --model {last}")
+
+
+def _resume(cfg: Config, workers: Placement, stream: PromptStream, last: Path) -> int:
+    """The workers and the prompt stream as checkpoint `last` left them; its step."""
+    state = checkpoint.load_state(last)
+    workers.restore(str(last), state["step"])
+    stream.load_state_dict(state["data"])
+    changed = _changed_keys(state.get("config", {}), cfg.model_dump(mode="json"))
+    if changed:
+        log.warning("resuming with a config that differs from the checkpoint's in: %s", ", ".join(changed))
+    log.info("resumed from %s (step %d)", last, state["step"])
+    return state["step"]
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

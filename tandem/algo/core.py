@@ -59,7 +59,7 @@ _MAX_LOG_RATIO = 20.0
 # A group of one is its own baseline: its centred reward is 0 whatever its reward, so it learns nothing from it
 # (advantage 0 under grpo, dr_grpo, grpo_batch_std and rloo). verl takes a lone sample's baseline as 0 instead, so
 # its raw reward is its advantage; tandem does not, because one sample says nothing about how hard its prompt is
-# (a config whose every group is one sample is refused; see `Config._cross_checks`).
+# (a config whose every group is one sample is refused; see `Config._algo_checks`).
 
 
 def _group_stats(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -65,14 +65,12 @@ class RewardResult:
     last_error: dict[str, str] = field(default_factory=dict)  # name -> "kind: message" of its last failed sample
     budget_used: float = 0.0  # the call's time as a fraction of the step budget (1.0: it ran out)
 
-    def metrics(self, prefix: str = "reward") -> dict[str, float]:
-        """`reward/total`, `reward/<name>` (each function's mean), `reward/errors/<name>` and
-        `reward/errors/<name>/<kind>` (counts this step)."""
-        out = {f"{prefix}/total": _mean(self.total)}
-        out.update({f"{prefix}/{name}": _mean(scores) for name, scores in self.per_fn.items()})
-        out.update({f"{prefix}/errors/{name}": float(n) for name, n in self.errors.items()})
+    def error_counts(self, prefix: str) -> dict[str, int]:
+        """`<prefix>/<name>`: the samples each function failed on (scored 0); `<prefix>/<name>/<kind>`: by kind.
+        Training logs them as `reward/errors/...`, evaluation as `eval/reward_errors/...`."""
+        out = {f"{prefix}/{name}": n for name, n in self.errors.items()}
         for name, kinds in self.error_kinds.items():
-            out.update({f"{prefix}/errors/{name}/{kind}": float(n) for kind, n in kinds.items()})
+            out.update({f"{prefix}/{name}/{kind}": n for kind, n in kinds.items()})
         return out
 
 
@@ -110,10 +108,6 @@ class ErrorRateLimit:
                 f"its zeros would teach nothing: fix the reward (reward/errors/<name>/<kind> in metrics.jsonl counts "
                 f"each kind of failure), or raise reward_pool.max_error_rate (1 never stops)")
         return {f"reward/error_rate/{name}": n / samples if samples else 0.0 for name, n in errors.items()}
-
-
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
 
 
 # What reward code may raise and still be only a failure of that reward, wherever it runs (a call, the __float__

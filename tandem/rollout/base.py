@@ -2,6 +2,7 @@
 completions with their groups (Samples)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, runtime_checkable
 
@@ -111,6 +112,35 @@ class Samples:
         kept = self.group[rows].tolist()
         number = {g: i for i, g in enumerate(dict.fromkeys(kept))}
         return Samples([self.completions[i] for i in rows], [number[g] for g in kept], len(number))
+
+
+@dataclass
+class Rollout:
+    """Completions sampled for a batch of prompts, and how: the one batch type from a sampler's share of a generate
+    call (its groups: the share's prompts), through the placement's merge of the shares (the call's prompts), to
+    the rollout source's scored batch a step trains on (`rewards`, `scores`)."""
+
+    samples: Samples
+    version: int = 0  # the policy version whose weights sampled them (merged: the oldest)
+    seconds: float = 0.0  # generating (merged: the slowest share; over rounds: summed)
+    idle_seconds: float = 0.0  # the samplers' wait for work before it (summed)
+    load_seconds: float = 0.0  # loading staged weights before generating (merged: the slowest; over rounds: summed)
+    rewards: torch.Tensor | None = None  # [N] float32, once scored: each row's summed reward (then shaped)
+    scores: dict[str, list[float]] = field(default_factory=dict)  # each reward function's score of each row
+
+    def concat(self, other: "Rollout") -> "Rollout":
+        """These rows, then another round's (see `Samples.concat`)."""
+        rewards = None if self.rewards is None else torch.cat([self.rewards, other.rewards])
+        return Rollout(self.samples.concat(other.samples), min(self.version, other.version),
+                       self.seconds + other.seconds, self.idle_seconds + other.idle_seconds,
+                       self.load_seconds + other.load_seconds, rewards,
+                       {k: v + other.scores[k] for k, v in self.scores.items()})
+
+    def select(self, rows: list[int]) -> "Rollout":
+        """These rows, in this order (see `Samples.select`)."""
+        return dataclasses.replace(self, samples=self.samples.select(rows),
+                                   rewards=None if self.rewards is None else self.rewards[rows],
+                                   scores={k: [v[i] for i in rows] for k, v in self.scores.items()})
 
 
 @runtime_checkable

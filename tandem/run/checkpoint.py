@@ -6,7 +6,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import time
@@ -15,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
-import numpy as np
 import torch
 
 from tandem.modeling import ModelFolderError, check_model_files, check_safetensors
+from tandem.util.rng import rng_state, set_rng_state
 
 log = logging.getLogger("tandem.run.checkpoint")
 
@@ -35,16 +34,6 @@ HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # one file per thread; both 
 # weights, optimizer or RNG state, configs, tokenizer files. Anything else (notes, a subfolder) is left alone.
 READ_BY_LOADERS = ("*.safetensors", "*.pt", "*.pth", "*.bin", "*.json", "*.model", "*.tiktoken", "merges.txt",
                    "vocab.txt")
-
-
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
 
 
 def checkpoints(root: Path) -> list[tuple[int, Path]]:

@@ -1,6 +1,7 @@
 """Evaluation on held-out prompts: greedy accuracy, and sampled pass@k / mean@k with the unbiased estimator."""
 from __future__ import annotations
 
+import dataclasses
 from math import comb
 
 from tandem.data.sources import Prompt
@@ -18,23 +19,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_reward: str, max_new_tokens: int,
-             k: int = 1, temperature: float = 1.0, seed: int = 0, stop: tuple[str, ...] = ()) -> dict[str, float]:
-    """`generate(prompt_ids, sampling) -> Samples` (group = the prompt's index). A sample is correct when `correct_reward` scores >= 1.
-    A reward that fails scores 0 here as in training, and is counted: `reward_errors/<name>[/<kind>]`, over the
-    greedy and the sampled pass."""
+def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_reward: str, sampling: Sampling,
+             k: int = 1, temperature: float = 1.0) -> dict[str, float]:
+    """Greedy accuracy, and with `k` > 1 pass@k / mean@k of k samples at `temperature`, both drawn as `sampling`
+    says otherwise (the run's: `sampling_for`). `generate(prompt_ids, sampling) -> Samples` (group = the prompt's
+    index). A sample is correct when `correct_reward` scores >= 1. A reward that fails scores 0 here as in training,
+    and is counted: `reward_errors/<name>[/<kind>]`, over the greedy and the sampled pass."""
     ids = [p.ids for p in prompts]
     rows = [p.row for p in prompts]
     out: dict[str, float] = {}
 
     def count_errors(res: RewardResult) -> None:
-        for name, n in res.errors.items():
-            out[f"reward_errors/{name}"] = out.get(f"reward_errors/{name}", 0) + n
-        for name, kinds in res.error_kinds.items():
-            for kind, n in kinds.items():
-                out[f"reward_errors/{name}/{kind}"] = out.get(f"reward_errors/{name}/{kind}", 0) + n
+        for key, n in res.error_counts("reward_errors").items():
+            out[key] = out.get(key, 0) + n
 
-    greedy = generate(ids, Sampling(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stop, seed=seed)).completions
+    greedy = generate(ids, dataclasses.replace(sampling, n=1, temperature=0.0)).completions
     res = scorer.score([c.text for c in greedy], [r["question"] for r in rows], rows)
     count_errors(res)
     correct = [s >= 1.0 for s in res.per_fn[correct_reward]]
@@ -43,8 +42,7 @@ def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_rewa
     if any("tool_calls" in c.meta for c in greedy):  # multi-turn: how often the greedy answers use a tool
         out["tool_call_frac"] = sum(c.meta["tool_calls"] > 0 for c in greedy) / len(greedy)
     if k > 1:
-        sampled = generate(ids, Sampling(n=k, temperature=temperature, max_new_tokens=max_new_tokens, stop=stop,
-                                         seed=seed))
+        sampled = generate(ids, dataclasses.replace(sampling, n=k, temperature=temperature))
         of = sampled.group.tolist()
         res = scorer.score([c.text for c in sampled.completions], [rows[g]["question"] for g in of], [rows[g] for g in of])
         count_errors(res)

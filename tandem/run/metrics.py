@@ -17,7 +17,7 @@ PLOTTED = ["reward/mean", "eval/accuracy", "train/accuracy", "loss", "kl", "entr
 
 
 class MetricsLog:
-    def __init__(self, output_dir: Path, tensorboard: bool, run_name: str, resume_step: int | None = None):
+    def __init__(self, output_dir: Path, tensorboard: bool, resume_step: int | None = None):
         self.dir = output_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / METRICS_FILE
@@ -30,7 +30,7 @@ class MetricsLog:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"), comment=run_name)
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}

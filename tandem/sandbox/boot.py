@@ -104,9 +104,11 @@ def build_root(new, uid):
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tandem-root", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
     # The private /tmp first: what is bound below it (a checkout or venv under /tmp) goes on top of it, not under.
+    # 0711: the harness, another uid as root, passes through to what is bound below (an allowed package); it
+    # cannot list what the program keeps there.
     os.makedirs(new + "/tmp", 0o755, exist_ok=True)
     mount("tandem-sandbox", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={TMPFS_MB}m,nr_inodes=4096,mode=0700,uid={uid},gid={uid}")
+          f"size={TMPFS_MB}m,nr_inodes=4096,mode=0711,uid={uid},gid={uid}")
     masks = []
     for entry in binds:
         kind, path = entry[0], entry[1]
@@ -378,13 +380,14 @@ def plain_loads_function():
     return loads
 
 
-def remote_class(sock, loads):
-    """The class of the harness's stand-ins for the program's objects: each use of one is a call over `sock`, and
-    what comes back is plain data, another stand-in, or the candidate's exception raised again as a builtin one."""
-    import builtins
+class ProgramGone(Exception):
+    """The program exited, or closed its end of the socket, before answering the harness."""
 
-    class ProgramGone(Exception):
-        pass
+
+def rpc_function(sock, loads, handle):
+    """The harness's one way to the program: a request over `sock`; back comes plain data, a stand-in for one of
+    the program's objects (`handle(ref)`), or the candidate's exception raised again as a builtin one."""
+    import builtins
 
     def rpc(*req):
         try:
@@ -395,7 +398,7 @@ def remote_class(sock, loads):
         if reply[0] == "v":
             return reply[1]
         if reply[0] == "h":
-            return Remote(("h", int(reply[1])))
+            return handle(("h", int(reply[1])))
         if reply[0] == "raise":
             kind = getattr(builtins, str(reply[1]), None)
             # Not StopIteration: raised inside map() or filter() it would end the test's iteration early, and
@@ -405,6 +408,13 @@ def remote_class(sock, loads):
                 raise kind(str(reply[2]))
             raise RuntimeError(f"the candidate raised {reply[1]}: {reply[2]}")
         raise ValueError(f"malformed reply {reply!r:.80}")
+
+    return rpc
+
+
+def remote_class(sock, loads):
+    """The class of the harness's stand-ins for the program's objects: each use of one is a call over `sock`
+    (`rpc_function`)."""
 
     def enc(a):
         if isinstance(a, Remote):
@@ -442,6 +452,7 @@ def remote_class(sock, loads):
         def __repr__(self):
             return "<an object of the program's>"
 
+    rpc = rpc_function(sock, loads, Remote)
     return Remote
 
 

@@ -324,6 +324,29 @@ def _parse_report(report: str, judging: bool, returncode: int) -> tuple[dict[str
     return isolation, returncode, passed, reason
 
 
+def _run_boot(command: list[str], files: tuple[str, str, str], cwd: str, pass_fds: tuple[int, ...],
+              wall_s: float) -> tuple[int, bool, float]:
+    """Run the boot with the run folder's stdin, stdout and stderr files until it exits or `wall_s` pass, then kill
+    its session (the program's children, even after it exited): (exit code, timed out, wall seconds)."""
+    start, timed_out = time.monotonic(), False
+    with open(files[0], "rb") as fin, open(files[1], "wb") as fout, open(files[2], "wb") as ferr:
+        # No preexec_fn: this is safe to call from any thread of a process that has threads (the trainer).
+        proc = subprocess.Popen(command, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, close_fds=True,
+                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
+                                pass_fds=pass_fds)
+        try:
+            proc.wait(timeout=wall_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+    return proc.returncode, timed_out, time.monotonic() - start
+
+
 def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, isolate: bool, python: str | None,
             packages: tuple[str, ...]) -> SandboxResult:
     python = python or _interpreter()
@@ -346,28 +369,11 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
                 str(limits.memory_mb << 20), str(limits.output_bytes), str(limits.nofile), str(nproc),
                 str(limits.tmpfs_mb), "1" if isolate else "0", binds_path if binds else "-",
                 "\0".join(paths) if paths else "-"]
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-        t0 = time.monotonic()
-        timed_out = False
-        with open(in_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
-            # No preexec_fn: this is safe to call from any thread of a process that has threads (the trainer).
-            proc = subprocess.Popen([python, "-I", "-S", BOOT, *args], stdin=fin, stdout=fout, stderr=ferr, env=env,
-                                    cwd=work, start_new_session=True, close_fds=True, pass_fds=(tests_fd, report_w))
-            os.close(report_w)
-            report_w = -1
-            try:
-                proc.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the program's children, even after it exited
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
-        wall = time.monotonic() - t0
-        isolation, returncode, passed, reason = _parse_report(_read_report(report_r), tests is not None,
-                                                              proc.returncode)
+        exit_code, timed_out, wall = _run_boot([python, "-I", "-S", BOOT, *args], (in_path, out_path, err_path), work,
+                                               (tests_fd, report_w), limits.wall_s)
+        os.close(report_w)
+        report_w = -1
+        isolation, returncode, passed, reason = _parse_report(_read_report(report_r), tests is not None, exit_code)
         if uid_a is not None and not isolation.get("pid"):  # a pid namespace's processes all died with its pid 1
             for uid in (uid_a, uid_b):
                 _sweep(uid)

@@ -1,7 +1,6 @@
 """The weight channel: a process group of its own between trainers and samplers, outside every torch world."""
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -15,13 +14,6 @@ _TAG_HEADER = (1 << 24) + 16  # above the executor's own tags (sync/reshard.py)
 # How long a receiver waits for the senders to start a sync: they may still be training (a whole step), so this
 # is no transfer timeout; a sender that dies closes its sockets and the wait fails at once.
 START_TIMEOUT_S = 24 * 3600.0
-
-
-def free_address(host: str = "127.0.0.1") -> tuple[str, int]:
-    """`host` and a port free on it now, for the channel's rendezvous (the caller's machine must be `host`)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return host, int(s.getsockname()[1])
 
 
 class WeightChannel:

@@ -386,9 +386,3 @@ class Resharder:
              + [(False, torch.zeros(1, dtype=torch.uint8), d, _TAG_READ) for d in rr.notes_out])
         return stage
 
-
-def reshard(plan: Plan, rank: int | None, src_tensors: Mapping[str, torch.Tensor],
-            out: Mapping[str, torch.Tensor] | None = None, **options: Any) -> dict[str, torch.Tensor]:
-    """Run `plan` once and return this rank's destination tensors; `options` are `Resharder`'s. A plan run every
-    step keeps its `Resharder` instead, so that the setup (the rounds, the shared-memory handshake) is done once."""
-    return Resharder(plan, rank, **options).run(src_tensors, out)

@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from tandem import residency
+from tandem.util import residency
 
 TensorSource = Callable[[], Iterable[torch.Tensor]]
 
@@ -56,7 +56,7 @@ class Offloader:
             self._host[s._cdata] = buf
         return buf
 
-    def offload(self, *names: str) -> int:
+    def to_host(self, *names: str) -> int:
         """Copy each group to host and free its device storage; returns the device bytes released."""
         released = 0
         for name in names:
@@ -75,7 +75,7 @@ class Offloader:
             g.offloaded = True
         return released
 
-    def load(self, *names: str) -> int:
+    def to_device(self, *names: str) -> int:
         """Re-allocate each group's device storage and copy its contents back; returns the bytes restored."""
         restored = 0
         for name in names:
@@ -105,6 +105,3 @@ class Offloader:
     def resident_bytes(self) -> dict[str, int]:
         """Device bytes each group holds now (0 for an offloaded group: its storages are freed)."""
         return {name: residency.storage_bytes(g.source(), self.device) for name, g in self.groups.items()}
-
-    def host_bytes(self) -> int:
-        return sum(b.numel() for b in self._host.values())

@@ -68,12 +68,12 @@ def _check_tp(model: nn.Module, tp: int) -> None:
             raise ValueError(f"parallel.tp = {tp} does not divide the model's {field} ({value})")
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh | None, mixed_precision: str | None = None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh | None) -> nn.Module:
     """TP over "tp" in each decoder layer, then FSDP2 (ZeRO-3) per layer and at the root over "dp". In place.
 
     Embeddings, norms and the LM head stay whole on every tp rank (so tied embeddings stay tied and the logits
-    need no gather); FSDP shards them over dp like everything else. `mixed_precision="bfloat16"` computes in bf16
-    with fp32 gradient reduction; the parameters (and so the optimizer) stay in their own dtype.
+    need no gather); FSDP shards them over dp like everything else. Parameters compute in their own dtype
+    (`model.dtype`): FSDP's mixed precision (bf16 compute over fp32 parameters) is not offered yet.
     """
     if mesh is None or mesh.size() == 1:
         return model
@@ -88,18 +88,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, mixed_precision: str 
     if dp > 1 or tp > 1:
         # With tp > 1 and dp == 1 FSDP still wraps (over a mesh of one): it costs nothing and keeps one code path
         # (DTensor parameters everywhere, the same state-dict and gather helpers).
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-        mp = MixedPrecisionPolicy()
-        if mixed_precision in ("bfloat16", "bf16"):
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        elif mixed_precision not in (None, "", "float32", "no"):
-            raise ValueError(f"parallelize: mixed_precision {mixed_precision!r}; use 'bfloat16' or None")
         dp_mesh = mesh["dp"]
         for layer in decoder_layers(model):
             # ZeRO-3: a layer's full weights live only while it runs (one more all-gather in backward for memory).
-            fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
-        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=dp_mesh)
     return model
 
 

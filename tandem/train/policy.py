@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from tandem import residency
+from tandem.util import residency
 from tandem.algo import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -140,9 +140,8 @@ class Policy:
     """Owns the trainable model, its optimizer and schedule, and the reference model when KL is on."""
 
     def __init__(self, model_path: str, dtype: str, trust_remote_code: bool, algo: AlgoConfig, optim: OptimConfig,
-                 total_optimizer_steps: int, temperature: float, max_new_tokens: int, mesh=None,
-                 mixed_precision: str | None = None, device: str | None = None, offload_bucket_bytes: int = 64 << 20,
-                 old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED, lora: LoraConfig | None = None, seed: int = 0):
+                 total_optimizer_steps: int, temperature: float, max_completion_tokens: int, mesh=None,
+                 device: str | None = None, old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED, lora: LoraConfig | None = None, seed: int = 0):
         """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping).
 
         With a mesh, each dp rank trains on its own rows of every mini-batch (tp peers get the same rows), the
@@ -162,7 +161,7 @@ class Policy:
 
         self.algo, self.optim_cfg = algo, optim
         self.temperature = temperature if temperature > 0 else 1.0
-        self.max_new_tokens = max_new_tokens
+        self.max_completion_tokens = max_completion_tokens  # Dr.GRPO's constant normalizer (seq_mean_token_sum_norm)
         self.old_logprobs = OldLogprobs(old_logprobs)
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.model = load_causal_lm(model_path, dtype, trust_remote_code)
@@ -176,14 +175,14 @@ class Policy:
         self.model.train()
         # see token_logprobs: FSDP's hooks want one forward per backward
         self.share_prompts = self.mesh is None and shares_prompts(self.model)
-        parallelize(self.model, self.mesh, mixed_precision)
+        parallelize(self.model, self.mesh)
         self.ref = None
         self.uses_ref = algo.kl_coef > 0
         if self.uses_ref and self.lora is None:  # a model's memory and a forward per step: only when used
             self.ref = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
             if device is not None:
                 self.ref.to(device)
-            parallelize(self.ref, self.mesh, mixed_precision)
+            parallelize(self.ref, self.mesh)
         self.device = next(self.model.parameters()).device
         for p in self._tensors("params") + self._tensors("ref"):
             residency.ensure_resizable(p)  # offload frees storages in place; a memory-mapped one cannot be
@@ -195,7 +194,7 @@ class Policy:
                                            weight_decay=optim.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_optimizer_steps))
         self.loss_spec = LossSpec.from_algo(algo)
-        self.offloader = Offloader(self.device, offload_bucket_bytes)
+        self.offloader = Offloader(self.device)
         for group in ("params", "grads", "optim", "ref"):
             self.offloader.register(group, lambda g=group: self._tensors(g))
 
@@ -250,13 +249,13 @@ class Policy:
             return [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         raise ValueError(f"offload: unknown group {group!r}; groups are params, grads, optim, ref")
 
-    def offload(self, *groups: str) -> int:
+    def to_host(self, *groups: str) -> int:
         """Move these groups (params, grads, optim, ref) to host memory; their device storage is freed."""
-        return self.offloader.offload(*groups)
+        return self.offloader.to_host(*groups)
 
-    def load(self, *groups: str) -> int:
-        """Bring offloaded groups back to the device (the same tensor objects, contents restored)."""
-        return self.offloader.load(*groups)
+    def to_device(self, *groups: str) -> int:
+        """Bring groups moved to the host back to the device (the same tensor objects, contents restored)."""
+        return self.offloader.to_device(*groups)
 
     def residency(self) -> dict[str, int]:
         """Device bytes per group (params, grads, optim, ref) now."""
@@ -365,7 +364,7 @@ class Policy:
         loss_tok, metrics = token_loss(self.loss_spec, logp, mb.advantages(advantages), mb.mask,
                                        old_logp=mb.old_logprobs, sampler_logp=mb.sampler_logprobs,
                                        ref_logp=mb.ref_logprobs, entropy=ent)
-        loss = AGGREGATIONS[a.loss_agg](loss_tok, mb.mask, total_tokens, total_seqs, self.max_new_tokens)
+        loss = AGGREGATIONS[a.loss_agg](loss_tok, mb.mask, total_tokens, total_seqs, self.max_completion_tokens)
         # FSDP averages gradients over dp, but each rank's loss is already its share of the global loss (global
         # normalizers): scale by dp so they add up. (Its divide factor would do the same via PREMUL_SUM, which gloo
         # lacks.)

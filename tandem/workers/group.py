@@ -2,7 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+# A worker method, named by the role's method itself (`TrainWorker.prepare`: renames and typos fail where they are
+# written, and the call reads as what it runs) or by its name.
+Method = Callable[..., Any] | str
+
+
+def method_name(method: Method) -> str:
+    return method if isinstance(method, str) else method.__name__
 
 
 @dataclass
@@ -31,17 +41,31 @@ class WorkerError(RuntimeError):
     """A worker failed; the message names the worker and the method (the phase) it was running."""
 
 
-class Pending(Protocol):
-    """A call in flight on every worker of a group (asynchronous sampling overlaps it with training)."""
+class Pending(Protocol[R_co]):
+    """Work in flight: a call on every worker of a group (its result: one per worker, in rank order), or what the
+    controller makes of one (`Mapped`). Asynchronous sampling overlaps it with training."""
 
     def done(self) -> bool:
         """Whether `get` would return (or raise) at once."""
         ...
 
-    def get(self, timeout: float | None = None) -> list[Any]:
-        """One result per worker, in rank order; raises WorkerError if a worker failed, TimeoutError if
-        `timeout` seconds pass first (the call keeps running)."""
+    def get(self, timeout: float | None = None) -> R_co:
+        """The result; raises WorkerError if a worker failed, TimeoutError if `timeout` seconds pass first (the
+        call keeps running)."""
         ...
+
+
+class Mapped(Generic[R]):
+    """A Pending whose result is `fn` of another's (the placement merges its samplers' shares this way)."""
+
+    def __init__(self, pending: Pending, fn: Callable[[Any], R]):
+        self.pending, self.fn = pending, fn
+
+    def done(self) -> bool:
+        return self.pending.done()
+
+    def get(self, timeout: float | None = None) -> R:
+        return self.fn(self.pending.get(timeout))
 
 
 class Completed:
@@ -60,22 +84,35 @@ class Completed:
 
 
 class WorkerGroup(Protocol):
-    size: int
+    """Workers of one role, local or on Ray: everything the placement calls on them."""
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    size: int
+    global_ranks: list[int]  # each worker's rank in the run's numbering (the weight channel's ranks)
+
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method(*args, **kwargs)` on every worker; one result per worker, in rank order."""
         ...
 
-    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+    def call_each(self, method: Method, per_worker_args: Sequence[tuple]) -> list[Any]:
         """Run `method(*per_worker_args[rank])` on each worker; one result per worker, in rank order."""
         ...
 
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> Pending:
-        """Start `call(method, ...)` and return at once; `call` is `submit(...).get()`."""
+    def submit(self, method: Method, *args: Any, **kwargs: Any) -> Pending[list[Any]]:
+        """Start `call(method, ...)` and return at once; `call` is `submit(...).get()`. Each worker runs its
+        calls in the order they were submitted."""
         ...
 
-    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> Pending:
+    def submit_side(self, method: Method, *args: Any, **kwargs: Any) -> Pending[list[Any]]:
+        """Like submit, but on each worker's side lane: it may run while a main-lane call is still working (the
+        samplers receive weights this way while they generate)."""
+        ...
+
+    def submit_each(self, method: Method, per_worker_args: Sequence[tuple]) -> Pending[list[Any]]:
         """Start `call_each(method, ...)` and return at once."""
+        ...
+
+    def free_address(self, rank: int = 0) -> tuple[str, int]:
+        """Worker `rank`'s host and a port free there: the rendezvous of a group of the workers' own."""
         ...
 
     def shutdown(self) -> None:
@@ -96,34 +133,43 @@ class LocalWorkerGroup:
     def __init__(self, factory: Callable[[WorkerContext], Any], size: int = 1, name: str = "workers"):
         if size != 1:
             raise ValueError("the local backend runs one worker; use placement.backend: ray for more")
-        self.size = size
+        self.size, self.global_ranks = size, [0]
         self.workers = [factory(WorkerContext(name=name, group_ranks={name: [0]}, device=local_device()))]
 
-    def _run(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
+    def _run(self, rank: int, method: Method, args: tuple, kwargs: dict) -> Any:
+        name = method_name(method)
         try:
-            return getattr(self.workers[rank], method)(*args, **kwargs)
+            return getattr(self.workers[rank], name)(*args, **kwargs)
         except Exception as exc:
-            raise WorkerError(f"worker {rank}/{self.size} failed in {method}: {exc!r}") from exc
+            raise WorkerError(f"worker {rank}/{self.size} failed in {name}: {exc!r}") from exc
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         return [self._run(r, method, args, kwargs) for r in range(self.size)]
 
-    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+    def call_each(self, method: Method, per_worker_args: Sequence[tuple]) -> list[Any]:
         if len(per_worker_args) != self.size:
-            raise ValueError(f"call_each({method}): {len(per_worker_args)} argument tuples for {self.size} workers")
+            raise ValueError(f"call_each({method_name(method)}): {len(per_worker_args)} argument tuples for "
+                             f"{self.size} workers")
         return [self._run(r, method, tuple(a), {}) for r, a in enumerate(per_worker_args)]
 
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> Completed:
+    def submit(self, method: Method, *args: Any, **kwargs: Any) -> Completed:
         try:
             return Completed(self.call(method, *args, **kwargs))
         except WorkerError as exc:
             return Completed(error=exc)
 
-    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> Completed:
+    submit_side = submit  # calls run at once here: there is no lane to overlap
+
+    def submit_each(self, method: Method, per_worker_args: Sequence[tuple]) -> Completed:
         try:
             return Completed(self.call_each(method, per_worker_args))
         except WorkerError as exc:
             return Completed(error=exc)
+
+    def free_address(self, rank: int = 0) -> tuple[str, int]:
+        from tandem.util.net import free_address
+
+        return free_address()
 
     def shutdown(self) -> None:
         for w in self.workers:

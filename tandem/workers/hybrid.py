@@ -1,16 +1,19 @@
-"""The hybrid worker: one process's policy shard, reference and rollout engine, used in turn, idle side offloaded."""
+"""The hybrid worker: one process's trainer (policy shard, reference) and rollout engine, used in turn, the idle side
+moved off the device."""
 from __future__ import annotations
 
 import time
 
 from tandem.config import Config
-from tandem.rollout import Sampling, make_engine
+from tandem.rollout import Rollout, Samples, Sampling, make_engine
+from tandem.rollout.manifest import differing, digest
 from tandem.sync.local import push_weights
+from tandem.train.policy import Policy
 from tandem.workers.group import WorkerContext
-from tandem.workers.rollout import Generated, engine_args, sample_with
+from tandem.workers.rollout import engine_args, sample_with
 from tandem.workers.train import TrainWorker
 
-# What must be on the compute device in each phase (the rest may be offloaded):
+# What must be on the compute device in each phase (the rest may go to the host):
 # generate: the engine; logprobs: policy params + reference; update: policy params, grads, optimizer state;
 # sync: policy params (source) + engine (destination).
 PHASES = {
@@ -19,14 +22,16 @@ PHASES = {
     "update": {"params", "grads", "optim"},
     "sync": {"params", "engine"},
 }
+POLICY_PARTS = ("params", "grads", "optim", "ref")
 
 
-class HybridWorker(TrainWorker):
-    """Colocated placement: generate -> logprobs -> update -> sync weights, all in this process.
+class HybridWorker:
+    """Colocated placement: generate -> logprobs -> update -> sync weights, all in this process: a `TrainWorker`
+    and a rollout engine.
 
-    With offload on, each phase first moves what it does not need off the device (bucket by bucket) and brings
-    in what it needs, so the peak is the largest phase, not the sum of three models. Bytes resident per phase are
-    metrics (`memory/<phase>_bytes`).
+    With offload on, each phase first moves what it does not need to the host (bucket by bucket) and brings to the
+    device what it needs, so the peak is the largest phase, not the sum of three models. Bytes resident per phase
+    are metrics (`memory/<phase>_bytes`).
     """
 
     def __init__(self, cfg: Config, ctx: WorkerContext | None = None, shm_ident: str = ""):
@@ -35,7 +40,8 @@ class HybridWorker(TrainWorker):
         Every rank builds its engine here, at the same point: a vLLM engine adopts the workers' process group and
         creates its own groups over it collectively. With rollout.tensor_parallel T, workers r..r+T-1 (r a
         multiple of T) form one engine: each makes the same generate calls, and only the first reports them."""
-        super().__init__(cfg, ctx)
+        self.trainer = TrainWorker(cfg, ctx)
+        self.cfg, self.ctx = cfg, self.trainer.ctx
         name, kwargs = engine_args(cfg, self.ctx.device)
         self.engine_tp = cfg.rollout.tensor_parallel if self.ctx.size > 1 else 1
         self.engine_rank = self.ctx.rank % self.engine_tp
@@ -50,6 +56,10 @@ class HybridWorker(TrainWorker):
         self._engine_awake = True
         self._resharder = None  # runs the engine sync's plan; made at the first sync, kept with its setup
 
+    @property
+    def policy(self) -> Policy:
+        return self.trainer.policy
+
     def _enter(self, phase: str) -> None:
         """Make the device hold exactly what `phase` needs (when offloading); record the bytes resident."""
         if self.offload:
@@ -57,8 +67,8 @@ class HybridWorker(TrainWorker):
             if "engine" not in need and self._engine_awake:
                 self.engine.sleep()
                 self._engine_awake = False
-            self.policy.offload(*(g for g in ("params", "grads", "optim", "ref") if g not in need))
-            self.policy.load(*(g for g in ("params", "grads", "optim", "ref") if g in need))
+            self.policy.to_host(*(g for g in POLICY_PARTS if g not in need))
+            self.policy.to_device(*(g for g in POLICY_PARTS if g in need))
             if "engine" in need and not self._engine_awake:
                 self.engine.wake()  # contents undefined until the sync below writes them
                 self._engine_awake = True
@@ -68,25 +78,42 @@ class HybridWorker(TrainWorker):
         resident = getattr(self.engine, "resident_bytes", None)
         return int(resident()) if resident else 0
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Generated:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Rollout:
         if self.version < min_version:  # calls run in submission order: the sync asked for came first
             raise RuntimeError(f"generate asked for policy version {min_version}; this engine holds {self.version}")
         self._enter("generate")
         start = time.perf_counter()
         comps = self.sample(prompts, sampling)
-        self._finished()  # the trainer's idle time is what follows: scoring, shipping
+        end = self.trainer.finished()  # the trainer's idle time is what follows: scoring, shipping
         # an engine's TP peers sampled the same completions; its first rank reports them
-        return Generated(comps if self.engine_rank == 0 else [], self.version, self._idle_since - start)
+        return Rollout(Samples.of_call(comps if self.engine_rank == 0 else [], len(prompts)), self.version,
+                       end - start)
 
-    def prepare(self, samples):
+    def prepare(self, samples: Samples):
         self._enter("logprobs")
-        return super().prepare(samples)
+        return self.trainer.prepare(samples)
 
-    def train(self, advantages):
+    def train(self, advantages) -> dict[str, float]:
         self._enter("update")
-        stats = super().train(advantages)
+        stats = self.trainer.train(advantages, diagnose=self._stale_parameters)
         stats.update({f"memory/{p}_bytes": float(b) for p, b in self._resident.items()})
         return stats
+
+    def _stale_parameters(self) -> str:
+        """Which parameters the engine holds differently from the trainer, by per-parameter checksums (the trainer's
+        weights are still the ones synced: no optimizer step has run)."""
+        try:
+            theirs = self.engine.weight_digest()
+        except Exception as exc:  # the diagnosis must not hide the stop itself
+            return f"(The engine's checksums could not be read: {exc!r}.)"
+        ours = {name: digest(t.full_tensor() if hasattr(t, "full_tensor") else t)
+                for name, t in self.policy.named_weights()}
+        stale = differing(ours, theirs)
+        if not stale:
+            return (f"Every one of the {len(ours)} parameters the engine was given matches the trainer's by checksum, "
+                    "so the engine's own loading or use of them is at fault, not the transfer.")
+        shown = ", ".join(stale[:10]) + (f" and {len(stale) - 10} more" if len(stale) > 10 else "")
+        return f"Parameters most likely stale (engine copy differs from the trainer's, {len(stale)} of {len(ours)}): {shown}."
 
     def sync_weights(self, version: int) -> dict:
         """Policy weights (`version` = updates so far) into this worker's engine: a copy in one process, a planned
@@ -94,8 +121,8 @@ class HybridWorker(TrainWorker):
         self._enter("sync")
         self.version = version
         start = time.perf_counter()
-        if self.mesh is None:
-            return self._synced(start, push_weights(self.policy.named_weights(), self.engine)["bytes"])
+        if self.trainer.mesh is None:
+            return self.trainer.synced(start, push_weights(self.policy.named_weights(), self.engine)["bytes"])
         from tandem.sync.reshard import Resharder
 
         if self._resharder is None:  # the layouts never change during a run: plan once (every rank alike)
@@ -105,7 +132,7 @@ class HybridWorker(TrainWorker):
         inplace = self.engine.weights() if hasattr(self.engine, "weights") else None
         for bucket in self._resharder.stream(dict(self.policy.named_weights()), out=inplace):
             self.engine.load_weights(bucket)
-        return self._synced(start, self._resharder.plan.bytes_moved)
+        return self.trainer.synced(start, self._resharder.plan.bytes_moved)
 
     def _plan_engine_sync(self):
         """Trainer shards -> every engine: whole on each worker, or each engine TP rank its own slices only."""
@@ -113,7 +140,8 @@ class HybridWorker(TrainWorker):
         from tandem.sync.layout import EngineTP, engine_tp_layout
         from tandem.sync.planner import plan, plan_to_replicas
 
-        src, ranks = self.weight_layout(dict(self.policy.named_weights())), self.ctx.group_ranks[self.ctx.name]
+        src = self.trainer.weight_layout(dict(self.policy.named_weights()))
+        ranks = self.ctx.group_ranks[self.ctx.name]
         check_plan(self.engine.manifest(), {n: (tuple(p.shape), p.dtype) for n, p in src.items()},
                    f"worker {self.ctx.global_rank}'s engine", self.engine.weight_aliases())
         if self.engine_tp == 1:
@@ -132,12 +160,12 @@ class HybridWorker(TrainWorker):
         return find() if find else []
 
     def save(self, folder: str) -> None:
-        self.policy.load("params", "optim")  # a checkpoint reads them; the next phase offloads them again
-        super().save(folder)
+        self.policy.to_device("params", "optim")  # a checkpoint reads them; the next phase moves them off again
+        self.trainer.save(folder)
 
-    def load(self, folder: str) -> None:
-        self.policy.load("params", "grads", "optim", "ref")
-        super().load(folder)
+    def restore(self, folder: str) -> None:
+        self.policy.to_device(*POLICY_PARTS)
+        self.trainer.restore(folder)
 
     def close(self) -> None:
         self.engine.close()

@@ -5,56 +5,54 @@ import dataclasses
 import functools
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from tandem.config import Config, ConfigError
-from tandem.rollout import Completion, Samples, Sampling
+from tandem.rollout import Rollout, Samples, Sampling
 from tandem.workers.balance import balance
-from tandem.workers.group import LocalWorkerGroup, Pending, WorkerGroup
+from tandem.workers.group import LocalWorkerGroup, Mapped, Pending, WorkerGroup
 from tandem.workers.hybrid import HybridWorker
-from tandem.workers.rollout import Generated, RolloutWorker
+from tandem.workers.rollout import RolloutWorker
 from tandem.workers.train import TrainWorker
 
 
-@dataclass
-class Rollout:
-    """A finished rollout: its samples in prompt order (group = the prompt's index in the call) and how they were made."""
+class Trainer(Protocol):
+    """What the placement calls on every worker that trains: `TrainWorker` (split) and `HybridWorker` (colocated)."""
 
-    samples: Samples
-    version: int  # the oldest policy version among the samplers' shares
-    seconds: float  # the slowest sampler's generation time
-    idle_seconds: float  # the samplers' idle time before this work, summed
-    load_seconds: float  # weight loads done at its start, the slowest
+    def prepare(self, samples: Samples) -> torch.Tensor | None: ...
 
+    def train(self, advantages: torch.Tensor) -> dict[str, float]: ...
 
-@dataclass
-class PendingRollout:
-    """A rollout in flight on the samplers; `get` waits and puts the shares back in prompt order."""
+    def save(self, folder: str) -> None: ...
 
-    pending: Any
-    shares: list[list[int]]
-    num_prompts: int
-
-    def get(self, timeout: float | None = None) -> Rollout:
-        """Raises TimeoutError if `timeout` seconds pass first (the rollout goes on; ask again)."""
-        parts: list[Generated] = self.pending.get(timeout)
-        rows: list[tuple[int, Completion]] = []
-        for share, part in zip(self.shares, parts):
-            for c in part.completions:
-                c.meta["policy_version"] = part.version
-                rows.append((share[c.prompt_index], c))  # a share's prompt index -> the call's
-        rows.sort(key=lambda r: r[0])  # stable: a group's samples keep their order
-        busy = [p for p in parts if p.completions or p.seconds]
-        return Rollout(Samples([c for _, c in rows], [g for g, _ in rows], self.num_prompts),
-                       min((p.version for p in busy), default=0), max((p.seconds for p in parts), default=0.0),
-                       sum(p.idle_seconds for p in parts), max((p.load_seconds for p in parts), default=0.0))
+    def restore(self, folder: str) -> None: ...
 
 
-def _seeded(sampling: Sampling, share: list[int]) -> Sampling:
-    """`sampling` for a share of the prompts, each prompt seeded as in the whole batch (vLLM's seed + i * n)."""
-    if sampling.seed is None:
+class Sampler(Protocol):
+    """What the placement calls on every worker that samples: `RolloutWorker` (split) and `HybridWorker`."""
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Rollout: ...
+
+
+def merge_shares(parts: list[Rollout], shares: list[list[int]], num_prompts: int) -> Rollout:
+    """The samplers' shares of one call as one rollout in prompt order (group = the prompt's index in the call)."""
+    rows: list[tuple[int, int]] = []  # (the call's prompt index, part), a share's prompt index mapped to the call's
+    for k, (share, part) in enumerate(zip(shares, parts)):
+        rows += [(share[g], k) for g in part.samples.group.tolist()]
+    flat = [c for part in parts for c in part.samples.completions]
+    order = sorted(range(len(rows)), key=lambda i: rows[i][0])  # stable: a group's samples keep their order
+    busy = [p for p in parts if p.samples.completions or p.seconds]
+    return Rollout(Samples([flat[i] for i in order], [rows[i][0] for i in order], num_prompts),
+                   min((p.version for p in busy), default=0), max((p.seconds for p in parts), default=0.0),
+                   sum(p.idle_seconds for p in parts), max((p.load_seconds for p in parts), default=0.0))
+
+
+def _seeded(sampling: Sampling, share: list[int], shares: int) -> Sampling:
+    """`sampling` for a share of the prompts, each prompt seeded as in the whole batch (vLLM's seed + i * n), so
+    the samples do not depend on how many engines share the prompts. One engine takes the call as it is."""
+    if sampling.seed is None or shares == 1:
         return sampling
     return dataclasses.replace(sampling, seeds=tuple(int(sampling.seed) + i * sampling.n for i in share))
 
@@ -90,16 +88,17 @@ class Placement:
     engine_tp: int = 1  # workers per rollout engine (vLLM tensor parallel over colocated workers)
     leftovers: list[str] = field(default_factory=list)  # the engines' shared-memory files, removed at shutdown
 
-    def submit_generate(self, prompts: list[list[int]], sampling: Sampling) -> PendingRollout:
+    def submit_generate(self, prompts: list[list[int]], sampling: Sampling) -> Pending[Rollout]:
         """Spread prompts over the samplers so they finish together: balanced by expected tokens, not count.
         The samplers use the newest weights sent so far, waiting for them if they are still on their way."""
         expect = self.expected_completion_tokens or sampling.max_new_tokens
         costs = [sampling.n * (len(p) + expect) for p in prompts]
+        engines = self.samplers.size // self.engine_tp
         # an engine over engine_tp workers takes one share, the same on each of them
-        shares = [s for s in balance(costs, self.samplers.size // self.engine_tp) for _ in range(self.engine_tp)]
-        per_worker = [([prompts[i] for i in s], _seeded(sampling, s), self.version) for s in shares]
-        pending = self.samplers.submit_each("generate", per_worker)
-        return PendingRollout(pending, shares, len(prompts))
+        shares = [s for s in balance(costs, engines) for _ in range(self.engine_tp)]
+        per_worker = [([prompts[i] for i in s], _seeded(sampling, s, engines), self.version) for s in shares]
+        pending = self.samplers.submit_each(Sampler.generate, per_worker)
+        return Mapped(pending, lambda parts: merge_shares(parts, shares, len(prompts)))
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> Rollout:
         return self.submit_generate(prompts, sampling).get()
@@ -112,26 +111,28 @@ class Placement:
     def prepare(self, samples: Samples) -> Pending:
         """Lay out the step and score its logprobs; `get()[0]` is the KL penalty per row ([N] tensor; with
         algo.kl_in_reward, else None). The group's workers share one copy of `samples` (see the worker group)."""
-        return self.trainers.submit("prepare", samples)
+        return self.trainers.submit(Trainer.prepare, samples)
 
     def train(self, advantages: torch.Tensor) -> Pending:
         """Update on the prepared step with these advantages, one per row of its samples; `get()[0]` is its stats."""
-        return self.trainers.submit("train", advantages)
+        return self.trainers.submit(Trainer.train, advantages)
 
     def sync_weights(self, version: int) -> Synced:
         """New policy weights to every engine: inside each hybrid worker, or trainers -> samplers (no disk)."""
         self.version = version
         if not self.split:
-            return Synced([self.trainers.submit("sync_weights", version)])
-        sent = self.trainers.submit("send_weights", version)
-        got = self.samplers.submit_side("receive_weights", version)  # runs while a generate works
+            return Synced([self.trainers.submit(HybridWorker.sync_weights, version)])
+        sent = self.trainers.submit(TrainWorker.send_weights, version)
+        got = self.samplers.submit_side(RolloutWorker.receive_weights, version)  # runs while a generate works
         return Synced([sent, got])
 
     def save(self, folder: str) -> None:
-        self.trainers.call("save", folder)
+        self.trainers.call(Trainer.save, folder)
 
-    def load(self, folder: str, version: int) -> None:
-        self.trainers.call("load", folder)
+    def restore(self, folder: str, version: int) -> None:
+        """The trainers as checkpoint `folder` holds them (a resume at policy `version`), and their weights to
+        every engine."""
+        self.trainers.call(Trainer.restore, folder)
         self.sync_weights(version).get()
 
     def shutdown(self) -> None:
@@ -163,8 +164,8 @@ def build(cfg: Config) -> Placement:
         tp = cfg.rollout.tensor_parallel if cfg.rollout.engine == "vllm" else 1
         placement = Placement(group, group, split=False, groups=[group], engine_tp=tp)
         try:
-            placement.leftovers = sorted({f for fs in group.call("shared_memory_segments") for f in fs})
-            group.call("sync_weights", 0)  # plans the in-group reshard once, and checks it, before any step
+            placement.leftovers = sorted({f for fs in group.call(HybridWorker.shared_memory_segments) for f in fs})
+            group.call(HybridWorker.sync_weights, 0)  # plans the in-group reshard once, and checks it, before any step
         except BaseException:
             placement.shutdown()
             raise
@@ -182,13 +183,13 @@ def build(cfg: Config) -> Placement:
         from tandem.sync.planner import plan_to_replicas
 
         address, size = trainers.free_address(0), pl.train_workers + pl.rollout_workers
-        opened = [trainers.submit("open_weight_channel", address, size),
-                  samplers.submit("open_weight_channel", address, size)]  # a rendezvous: all at once
+        opened = [trainers.submit(TrainWorker.open_weight_channel, address, size),
+                  samplers.submit(RolloutWorker.open_weight_channel, address, size)]  # a rendezvous: all at once
         for pending in opened:
             pending.get()
-        sync_plan = plan_to_replicas(trainers.call("weight_layout")[0], samplers.global_ranks)
-        trainers.call("set_sync_plan", sync_plan)
-        samplers.call("set_sync_plan", sync_plan)
+        sync_plan = plan_to_replicas(trainers.call(TrainWorker.weight_layout)[0], samplers.global_ranks)
+        trainers.call(TrainWorker.set_sync_plan, sync_plan)
+        samplers.call(RolloutWorker.set_sync_plan, sync_plan)
     except BaseException:
         placement.shutdown()
         raise

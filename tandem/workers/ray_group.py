@@ -16,7 +16,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from tandem.workers.group import WorkerContext, WorkerError
+from tandem.util.net import free_address
+from tandem.workers.group import Method, WorkerContext, WorkerError, method_name
 
 CLOSE_TIMEOUT_S = 10.0  # a worker's close() is best effort: a hung one must not hang shutdown
 FAILURE_GRACE_S = 2.0  # after a first failure, how long the other workers' outcomes may take to arrive
@@ -103,20 +104,6 @@ def _release_ray() -> None:
             ray.shutdown()
 
 
-@contextmanager
-def ray_session(*, address: str | None = None, num_cpus: float | None = None, num_gpus: int | None = None,
-                temp_dir: str | None = None, log_to_driver: bool = True,
-                object_store_memory: int | None = None) -> Iterator[None]:
-    """Hold one Ray session across several `start_groups` (each ray.init costs seconds); shut down on exit if
-    this opened it."""
-    owned = _acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
-    try:
-        yield
-    finally:
-        if owned:
-            _release_ray()
-
-
 # ---------------------------------------------------------------- what runs inside each actor
 
 def _loopback_ifname() -> str | None:
@@ -140,10 +127,7 @@ class _Host:
         """This node's address and a port free on it, for the process group's rendezvous."""
         import ray
 
-        ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+        return free_address(ray.util.get_node_ip_address())
 
     def setup(self, factory: Callable[[WorkerContext], Any], ctx: WorkerContext, backend: str | None,
               master: tuple[str, int], timeout_s: float, groups: list[tuple[str, list[int]]]) -> None:
@@ -405,8 +389,7 @@ class RayPending:
 class RayWorkerGroup:
     """`size` workers as Ray actors in one placement group; called exactly like LocalWorkerGroup.
 
-    Build one with `start_group(name, factory, size, ...)`, or several that share one torch.distributed world
-    with `start_groups`.
+    Build them with `start_groups`: several groups share one torch.distributed world.
     """
 
     def __init__(self, gang: _Gang, spec: GroupSpec, actors: list[Any], placement: Any, global_ranks: list[int],
@@ -435,20 +418,23 @@ class RayWorkerGroup:
             return value
         return import_ray().put(value)
 
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> RayPending:
+    def submit(self, method: Method, *args: Any, **kwargs: Any) -> RayPending:
+        method = method_name(method)
         self._check(method)
         args, kwargs = self._shared(args), self._shared(kwargs)
         return self._pending(method, [a.call.remote(method, args, kwargs) for a in self.actors])
 
-    def submit_side(self, method: str, *args: Any, **kwargs: Any) -> RayPending:
+    def submit_side(self, method: Method, *args: Any, **kwargs: Any) -> RayPending:
         """Like submit, but on each actor's side lane: it runs while a main-lane call is still working (one side
         call at a time). Asynchronous sampling receives weights this way while the sampler generates."""
+        method = method_name(method)
         self._check(method)
         args, kwargs = self._shared(args), self._shared(kwargs)
         return self._pending(method, [a.call.options(concurrency_group=SIDE_LANE).remote(method, args, kwargs)
                                       for a in self.actors])
 
-    def submit_each(self, method: str, per_worker_args: Sequence[tuple]) -> RayPending:
+    def submit_each(self, method: Method, per_worker_args: Sequence[tuple]) -> RayPending:
+        method = method_name(method)
         if len(per_worker_args) != self.size:
             raise ValueError(f"call_each({method}): {len(per_worker_args)} argument tuples for {self.size} workers")
         self._check(method)
@@ -462,10 +448,10 @@ class RayWorkerGroup:
         return RayPending(self.gang, "free_address", [(self, rank, self.actors[rank].address.remote())],
                           self.call_timeout_s).get()[0]
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         return self.submit(method, *args, **kwargs).get()
 
-    def call_each(self, method: str, per_worker_args: Sequence[tuple]) -> list[Any]:
+    def call_each(self, method: Method, per_worker_args: Sequence[tuple]) -> list[Any]:
         return self.submit_each(method, per_worker_args).get()
 
     def shutdown(self) -> None:
@@ -674,9 +660,3 @@ def _set_up(gang: _Gang, specs: list[GroupSpec], backend: str | None, pg_timeout
                                      order)
             entries.append((g, rank, ref))
     RayPending(gang, "setup", entries, setup_timeout_s).get()
-
-
-def start_group(name: str, factory: Callable[[WorkerContext], Any], size: int = 1, *, cpus_per_worker: float = 1,
-                gpus_per_worker: float = 0, **options: Any) -> RayWorkerGroup:
-    """One group alone: `start_groups` with one spec (its `ctx.group` is the WORLD group)."""
-    return start_groups([GroupSpec(name, factory, size, cpus_per_worker, gpus_per_worker)], **options)[0]

@@ -6,26 +6,14 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from tandem.config import Config
-from tandem.rollout import Completion, Sampling, make_engine
+from tandem.rollout import Completion, Rollout, Samples, Sampling, make_engine
 from tandem.workers.group import WorkerContext
-
-
-@dataclass
-class Generated:
-    """One worker's share of a rollout: its completions and when/with what policy they were made."""
-
-    completions: list[Completion]
-    version: int  # the policy version whose weights sampled them
-    seconds: float = 0.0  # generating
-    idle_seconds: float = 0.0  # the sampler waited for work before this call
-    load_seconds: float = 0.0  # loading staged weights first (the only stop-the-world part of async sampling)
 
 
 def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
@@ -100,9 +88,10 @@ class RolloutWorker:
         self._resharder = None  # runs _plan; made at the first receive and kept, with its setup, for the next
         self._last_end = time.perf_counter()
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Generated:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Rollout:
         """Generate with policy version `min_version` or newer: the controller may ask before those weights have
-        arrived (their send is already on its way), and the wait counts as idle."""
+        arrived (their send is already on its way), and the wait counts as idle. Loading staged weights first is
+        the only stop-the-world part of asynchronous sampling (`load_seconds`)."""
         with self._arrived:
             self._arrived.wait_for(lambda: self._newest() >= min_version or self._failed is not None)
             if self._newest() < min_version:
@@ -120,7 +109,8 @@ class RolloutWorker:
         comps = self.sample(prompts, sampling)
         idle = ready - self._last_end
         self._last_end = time.perf_counter()
-        return Generated(comps, self.version, self._last_end - loaded, idle, loaded - ready)
+        return Rollout(Samples.of_call(comps, len(prompts)), self.version, self._last_end - loaded, idle,
+                       loaded - ready)
 
     def _newest(self) -> int:
         return max(self.version, self._staged[0] if self._staged else -1)

@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file
 
-from tandem.algo import truncation_mask
 from tandem.config import Config
 from tandem.modeling import load_tokenizer
 from tandem.rollout import Samples
-from tandem.rollout.manifest import differing, digest
 from tandem.train.batch import MicroBatch, make_micro_batches
 from tandem.train.policy import Policy, PreparedStep
 from tandem.workers.balance import balance
@@ -50,12 +49,13 @@ class TrainWorker:
                              device=None if self.ctx.device == "cpu" else self.ctx.device,
                              old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed)
         self._step: PreparedStep | None = None  # prepared, not yet trained on
-        self._idle_since = time.perf_counter()  # see `_finished`
+        self._idle_since = time.perf_counter()  # see `finished`
 
-    def _finished(self) -> None:
+    def finished(self) -> float:
         """This worker's work for now is done (a weight sync; a colocated worker's generation, which follows the
-        sync): `time/trainer_idle` is the time from here until the next step's batch arrives."""
+        sync): `time/trainer_idle` is the time from here until the next step's batch arrives. Returns now."""
         self._idle_since = time.perf_counter()
+        return self._idle_since
 
     def prepare(self, samples: Samples) -> torch.Tensor | None:
         """Lay this worker's share of the step out for training and score old/reference logprobs. Returns each row's
@@ -73,34 +73,33 @@ class TrainWorker:
         b = self.cfg.batch
         per = -(-samples.num_groups // b.mini_batches)
         lengths = samples.sequence_lengths
-        keep_rows = truncation_mask(samples.truncated) if self.cfg.algo.mask_truncated else None
         minis = []
         for j in range(b.mini_batches):
             rows = torch.nonzero((samples.group >= j * per) & (samples.group < (j + 1) * per)).flatten().tolist()
             if not rows:
                 continue
             mine = [rows[k] for k in balance([lengths[i] for i in rows], self.dp_size)[self.dp_rank]]
-            mbs = make_micro_batches(samples, b.micro_batch_tokens, self.pad_id, mine,
-                                     by_prompt=self.policy.share_prompts) if mine else []
-            if keep_rows is not None:
-                for mb in mbs:
-                    mb.mask = mb.mask * keep_rows[mb.rows].unsqueeze(-1)
-            minis.append(mbs)
+            minis.append(make_micro_batches(samples, b.micro_batch_tokens, self.pad_id, mine,
+                                            by_prompt=self.policy.share_prompts) if mine else [])
         return minis
 
-    def train(self, advantages: torch.Tensor) -> dict[str, float]:
-        """Update the policy on the prepared step with these advantages, one per row of its samples."""
+    def train(self, advantages: torch.Tensor, diagnose: Callable[[], str] | None = None) -> dict[str, float]:
+        """Update the policy on the prepared step with these advantages, one per row of its samples. `diagnose`:
+        what a stop for a sampler mismatch should say of the engine's weights (a colocated worker compares its
+        own engine's; split trainers have none to compare)."""
         step, self._step = self._step, None
         if step is None:
             raise RuntimeError("train was called with no prepared step: call prepare with the step's samples first")
         start = time.perf_counter()
-        check = self._check_sampler if self.cfg.placement.schedule == "sync" else None  # stale samples drift anyway
+        check = None
+        if self.cfg.placement.schedule == "sync":  # stale samples drift anyway
+            check = lambda mean, worst: self._check_sampler(mean, worst, diagnose)  # noqa: E731
         stats = self.policy.update(step, advantages, check_sampler=check)
         stats["time/update"] = time.perf_counter() - start
         stats.update(step.times)
         return stats
 
-    def _check_sampler(self, mean: float, worst: float) -> None:
+    def _check_sampler(self, mean: float, worst: float, diagnose: Callable[[], str] | None) -> None:
         """Stop a step whose samples the trainer would not have drawn (rollout.max_logprob_diff), naming the
         engine and the parameters whose engine copy is not the trainer's. Every rank sees the same numbers."""
         bound = self.cfg.rollout.logprob_diff_bound(self.cfg.model.dtype)
@@ -108,32 +107,14 @@ class TrainWorker:
             return
         r = self.cfg.rollout
         engine = "hf" if r.engine == "hf" else f"vllm ({r.vllm.mode})"
+        which = diagnose() if diagnose is not None else (
+            "The engines are on the sampler workers (split placement), so their weights cannot be compared from here.")
         raise SamplerMismatch(
             f"the sampler's logprobs differ from the trainer's by {mean:.3g} per token (max {worst:.3g}), over "
             f"rollout.max_logprob_diff={bound:g}: the {engine} engine is not sampling with the trainer's weights, "
-            f"so this step was stopped before training on its samples. {self._stale_parameters()} A bad weight "
-            "sync is the usual cause; if the difference is expected (a numerics change), raise "
-            "rollout.max_logprob_diff, or set it to null to turn the check off.")
-
-    def _stale_parameters(self) -> str:
-        """Which parameters the engine holds differently from the trainer, by per-parameter checksums (the trainer's
-        weights are still the ones synced: no optimizer step has run)."""
-        engine = getattr(self, "engine", None)  # a colocated worker's own engine; split trainers have none
-        if engine is None:
-            return ("The engines are on the sampler workers (split placement), so their weights cannot be compared "
-                    "from here.")
-        try:
-            theirs = engine.weight_digest()
-        except Exception as exc:  # the diagnosis must not hide the stop itself
-            return f"(The engine's checksums could not be read: {exc!r}.)"
-        ours = {name: digest(t.full_tensor() if hasattr(t, "full_tensor") else t)
-                for name, t in self.policy.named_weights()}
-        stale = differing(ours, theirs)
-        if not stale:
-            return (f"Every one of the {len(ours)} parameters the engine was given matches the trainer's by checksum, "
-                    "so the engine's own loading or use of them is at fault, not the transfer.")
-        shown = ", ".join(stale[:10]) + (f" and {len(stale) - 10} more" if len(stale) > 10 else "")
-        return f"Parameters most likely stale (engine copy differs from the trainer's, {len(stale)} of {len(ours)}): {shown}."
+            f"so this step was stopped before training on its samples. {which} A bad weight sync is the usual "
+            "cause; if the difference is expected (a numerics change), raise rollout.max_logprob_diff, or set it "
+            "to null to turn the check off.")
 
     # -- weights out: split placement sends to the samplers --------------------------------------------------
 
@@ -173,18 +154,17 @@ class TrainWorker:
         if self.ctx.global_rank == 0:
             self._channel.announce(version, sorted(self._resharder.plan.dst_shapes))
         self._resharder.run(self.local_weights())
-        return self._synced(start, self._resharder.plan.bytes_moved)
+        return self.synced(start, self._resharder.plan.bytes_moved)
 
     def close(self) -> None:
         channel = getattr(self, "_channel", None)
         if channel is not None:
             channel.close()
 
-    def _synced(self, start: float, nbytes: int) -> dict:
+    def synced(self, start: float, nbytes: int) -> dict:
         """A weight sync's stats; it ends the step on this worker. `finished_at` is wall-clock time: the controller
         measures steps between these, so that queued steps count once."""
-        self._finished()
-        return {"seconds": self._idle_since - start, "bytes": nbytes, "finished_at": time.time()}
+        return {"seconds": self.finished() - start, "bytes": nbytes, "finished_at": time.time()}
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -205,7 +185,8 @@ class TrainWorker:
             self.tokenizer.save_pretrained(folder)
         torch.save(self.policy.state_dict(), Path(folder) / self._optimizer_file())
 
-    def load(self, folder: str) -> None:
+    def restore(self, folder: str) -> None:
+        """The policy and this worker's optimizer state as checkpoint `folder` holds them (a resume)."""
         if self.policy.lora is not None:
             from tandem.train.lora import read_adapter
 

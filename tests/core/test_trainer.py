@@ -179,16 +179,16 @@ def test_offload_changes_residency_not_results(tiny_model, tmp_path):
 def test_a_failed_step_still_logs_the_step_queued_before_it(tiny_model, tmp_path, monkeypatch):
     """Step 2's update is still queued when step 3's sampling fails: step 2 trained, so its metrics line is
     written before the error propagates (it would otherwise be lost with the run)."""
-    from tandem import trainer
+    from tandem.run.source import RolloutSource
 
-    real = trainer.collect
+    real = RolloutSource.next
 
-    def failing(run, step, t):
+    def failing(self, step):
         if step == 3:
             raise RuntimeError("sampler lost")
-        return real(run, step, t)
+        return real(self, step)
 
-    monkeypatch.setattr(trainer, "collect", failing)
+    monkeypatch.setattr(RolloutSource, "next", failing)
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="sampler lost"):
         train(small_config(tiny_model, out, "run.save_every=0", "run.eval_every=0"))

@@ -16,7 +16,7 @@ from tandem.data.sources import Prompt
 from tandem.run.evaluation import evaluate
 from tandem.rewards import RewardScorer, resolve_reward
 from tandem.rewards.base import ErrorRateLimit, RewardErrorRateExceeded, RewardSetupError
-from tandem.rollout.base import Completion, Samples
+from tandem.rollout.base import Completion, Samples, Sampling
 
 
 def run(scorer: RewardScorer, completions: list[str]):
@@ -148,7 +148,7 @@ def test_evaluation_counts_reward_errors_by_function_and_kind():
                                 for _ in range(sampling.n)], len(ids))
 
     with RewardScorer([("bad_rewards:with_row", 1.0, {}), ("bad_rewards:raises", 1.0, {})], workers=0) as s:
-        out = evaluate(generate, prompts, s, "bad_rewards:with_row", 4, k=3)
+        out = evaluate(generate, prompts, s, "bad_rewards:with_row", Sampling(max_new_tokens=4, seed=0), k=3)
     assert out["accuracy"] == 1.0
     assert out["reward_errors/bad_rewards:raises"] == 2 + 6  # greedy and sampled
     assert out["reward_errors/bad_rewards:raises/raised"] == 8

@@ -45,9 +45,9 @@ def test_raising_and_garbage_values_score_zero_and_are_counted(scorer, caplog):
         assert res.per_fn[key] == [0.0, 0.0, 0.0]
         assert res.errors[key] == 3 and res.error_kinds[key] == {kind: 3}
     assert res.errors["bad_rewards:good"] == 0
-    m = res.metrics()
-    assert m["reward/errors/bad_rewards:raises"] == 3.0 and m["reward/errors/bad_rewards:raises/raised"] == 3.0
-    assert m["reward/bad_rewards:good"] == pytest.approx(2.0)
+    m = res.error_counts("reward/errors")
+    assert m["reward/errors/bad_rewards:raises"] == 3 and m["reward/errors/bad_rewards:raises/raised"] == 3
+    assert m["reward/errors/bad_rewards:good"] == 0 and "reward/errors/bad_rewards:good/raised" not in m
     # logged once per function and kind, with the sample, across two steps
     boom = [r for r in caplog.records if "bad_rewards:raises" in r.getMessage()]
     assert len(boom) == 1 and "boom on a" in boom[0].getMessage() and "'a'" in boom[0].getMessage()

@@ -22,9 +22,8 @@ def test_weighted_sum_and_per_function_metrics():
         res = s.score(comps, ["", ""], rows)
     assert res.per_fn == {"gsm8k": [1.0, 0.0], "format": [1.0, 0.0], "tag_count": [1.0, 0.0]}
     assert res.total == pytest.approx([1.6, 0.0])
-    m = res.metrics()
-    assert m["reward/gsm8k"] == 0.5 and m["reward/total"] == pytest.approx(0.8)
-    assert m["reward/errors/gsm8k"] == 0.0
+    assert res.error_counts("reward/errors") == {"reward/errors/gsm8k": 0, "reward/errors/format": 0,
+                                                 "reward/errors/tag_count": 0}
 
 
 def test_same_function_twice_gets_two_metrics():

@@ -1,6 +1,8 @@
 """The embedded engine: grouping, logprobs that match a fresh forward pass, stop conditions, seeds, weight loads."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,6 +61,23 @@ def test_seed_reproduces_and_differs(engine, prompts):
     c = [c.completion_ids for c in engine.generate(prompts, Sampling(**{**s.__dict__, "seed": 12}))]
     assert a == b
     assert a != c
+
+
+def test_per_prompt_seeds_make_a_prompts_samples_independent_of_its_batch(engine, prompts, prompt_cache):
+    """Sampling.seeds (one per prompt, as a placement that spreads prompts over engines passes them): a prompt's
+    samples are the same whichever prompts share its call."""
+    s = Sampling(n=3, temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    together = engine.generate(prompts, dataclasses.replace(s, seeds=(11, 22, 33)))
+    for i, seed in enumerate((11, 22, 33)):
+        alone = engine.generate([prompts[i]], dataclasses.replace(s, seeds=(seed,)))
+        mine = [c for c in together if c.prompt_index == i]
+        assert [c.completion_ids for c in alone] == [c.completion_ids for c in mine]
+        torch.testing.assert_close(torch.tensor([c.logprobs for c in alone]), torch.tensor([c.logprobs for c in mine]),
+                                   rtol=0, atol=1e-5)
+    other = engine.generate(prompts, dataclasses.replace(s, seeds=(11, 23, 33)))
+    assert [c.completion_ids for c in other[3:6]] != [c.completion_ids for c in together[3:6]]  # the seed counts
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        engine.generate(prompts, dataclasses.replace(s, seeds=(1, 2)))
 
 
 def test_greedy_equals_top_k_1(engine, prompts):

@@ -204,10 +204,10 @@ def test_a_multi_turn_run_trains_on_its_sampled_tokens(tiny_model, tmp_path):
 
 def test_a_bad_environment_is_refused_before_any_model_loads(tiny_model, tmp_path, monkeypatch):
     from tandem import modeling
-    from tandem.trainer import prepare
+    from tandem.trainer import start_run
 
     monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(KeyError, match="toolz"):
-        prepare(run_config(tiny_model, tmp_path / "a", "env.name=toolz"), claim_output_dir=False)
+        start_run(run_config(tiny_model, tmp_path / "a", "env.name=toolz"), claim_output_dir=False)
     with pytest.raises(TypeError, match="turnz"):
-        prepare(run_config(tiny_model, tmp_path / "b", "env.kwargs={turnz: 3}"), claim_output_dir=False)
+        start_run(run_config(tiny_model, tmp_path / "b", "env.kwargs={turnz: 3}"), claim_output_dir=False)

@@ -122,7 +122,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_is_taken_
     # the lock is free again (the kernel dropped it); the next run takes over and names the dead holder
     monkeypatch.undo()
     with caplog.at_level(logging.WARNING, logger="tandem"):
-        run = trainer.prepare(config(tiny_model, out))
+        run = trainer.start_run(config(tiny_model, out))
     try:
         assert any(f"pid {holder.pid}" in r.getMessage() for r in caplog.records), caplog.text
     finally:
@@ -139,7 +139,7 @@ def test_a_failed_start_releases_the_directory(tiny_model, tmp_path, no_models):
     out = tmp_path / "run"
     for _ in range(2):  # the second attempt is not refused as "in use" by the first
         with pytest.raises(AssertionError, match="models loaded"):
-            trainer.prepare(config(tiny_model, out))
+            trainer.start_run(config(tiny_model, out))
 
 
 # -- what a start may do with what it finds ------------------------------------------------------------------
@@ -164,7 +164,7 @@ def test_resume_into_a_directory_without_a_checkpoint_is_refused(tiny_model, tmp
 
 def test_resume_or_start_starts_in_a_new_directory(tiny_model, tmp_path):
     out = tmp_path / "new"
-    run = trainer.prepare(config(tiny_model, out), "resume_or_start")
+    run = trainer.start_run(config(tiny_model, out), "resume_or_start")
     try:
         assert run.start_step == 0 and not run.resumed
     finally:
@@ -213,7 +213,7 @@ def test_a_torn_last_line_is_cut_with_a_warning(tmp_path, caplog):
     rows = [json.dumps({"step": s, "loss": 0.5}) for s in range(4)]
     (out / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 4, "lo')  # disk full mid-append
     with caplog.at_level(logging.WARNING, logger="tandem"):
-        log = MetricsLog(out, False, "run", resume_step=3)
+        log = MetricsLog(out, False, resume_step=3)
     log.close()
     assert [r["step"] for r in log.history] == [0, 1, 2, 3]
     assert metrics_steps(out) == [0, 1, 2, 3]
@@ -227,7 +227,7 @@ def test_a_bad_line_in_the_middle_names_the_file_and_line(tmp_path):
     rows[2] = rows[2][:5]
     (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     with pytest.raises(ValueError, match=rf"{out / 'metrics.jsonl'}:3"):
-        MetricsLog(out, False, "run", resume_step=3)
+        MetricsLog(out, False, resume_step=3)
 
 
 def test_resume_with_a_torn_metrics_line_continues(finished_run, tmp_path, tiny_model):
@@ -259,7 +259,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(finished_run
     out = copy_of(finished_run[0], tmp_path)
     CORRUPTIONS[broken](out / "checkpoints" / "step-00000002")
     with caplog.at_level(logging.WARNING, logger="tandem"):
-        run = trainer.prepare(config(tiny_model, out), resume=True)
+        run = trainer.start_run(config(tiny_model, out), resume=True)
     run.close()
     assert run.resumed and run.start_step == 1
     assert "step-00000002" in caplog.text and broken in caplog.text, caplog.text
@@ -272,7 +272,7 @@ def test_no_valid_checkpoint_lists_what_is_wrong(finished_run, tmp_path, tiny_mo
     CORRUPTIONS["rng.pt"](out / "checkpoints" / "step-00000001")
     CORRUPTIONS["model.safetensors"](out / "checkpoints" / "step-00000002")
     with pytest.raises(ValueError) as err:
-        trainer.prepare(config(tiny_model, out), resume=True)
+        trainer.start_run(config(tiny_model, out), resume=True)
     msg = str(err.value)
     assert "step-00000001" in msg and "rng.pt" in msg and "step-00000002" in msg and "model.safetensors" in msg, msg
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]  # as found
@@ -325,7 +325,7 @@ def test_a_flipped_bit_in_tensor_data_falls_back_to_the_previous_checkpoint(fini
     check_model_files(damaged)  # what the header and size checks see: nothing wrong
     zipfile.ZipFile(damaged / "optimizer.pt").close()
     with caplog.at_level(logging.WARNING, logger="tandem"):
-        run = trainer.prepare(config(tiny_model, out, "run.steps=3"), resume=True)
+        run = trainer.start_run(config(tiny_model, out, "run.steps=3"), resume=True)
     run.close()
     assert run.resumed and run.start_step == 1
     assert f"{broken}: checksum mismatch" in caplog.text and "step-00000002" in caplog.text, caplog.text
@@ -342,7 +342,7 @@ def test_a_checkpoint_saved_without_checksums_resumes_with_a_warning(finished_ru
         state.pop("checksums")
         (folder / "trainer_state.json").write_text(json.dumps(state))
     with caplog.at_level(logging.WARNING, logger="tandem"):
-        run = trainer.prepare(config(tiny_model, out, "run.steps=3"), resume=True)
+        run = trainer.start_run(config(tiny_model, out, "run.steps=3"), resume=True)
     run.close()
     assert run.start_step == 2
     assert "step-00000002" in caplog.text and "cannot be verified" in caplog.text, caplog.text
@@ -444,4 +444,4 @@ def test_a_resume_with_no_steps_left_is_refused_before_models_load(finished_run,
         assert f"run.steps: {steps}, but the run in {out} is at step 2 already" in err and "--model" in err, err
     assert [s for s, _ in checkpoint.checkpoints(out / "checkpoints")] == [1, 2]
     with pytest.raises(AssertionError, match="models loaded"):  # with steps left, it goes on to load them
-        trainer.prepare(config(tiny_model, out, "run.steps=3"), resume=True)
+        trainer.start_run(config(tiny_model, out, "run.steps=3"), resume=True)

@@ -202,3 +202,18 @@ def test_cannot_kill_its_parent_or_other_processes():
     finally:
         canary.kill()
         canary.wait()
+
+
+def test_an_allowed_package_under_tmp_reaches_the_harness_too(tmp_path, monkeypatch):
+    """The sandbox's own /tmp hides the host's; an allowed package (a venv) under the host's /tmp is bound back on
+    top of it, and the harness, another uid than the program's when root, must reach it as the program does."""
+    site = tmp_path / "site"
+    (site / "tandemprobe").mkdir(parents=True)
+    (site / "tandemprobe" / "__init__.py").write_text("VALUE = 42\n")
+    for p in (site, site / "tandemprobe", site / "tandemprobe" / "__init__.py"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    monkeypatch.syspath_prepend(str(site))
+    assert str(site).startswith("/tmp/")
+    program = "import tandemprobe as probe\ndef value():\n    return probe.VALUE\n"
+    assert score(program, ["assert probe.VALUE == value() == 42", "import tandemprobe\nassert tandemprobe.VALUE == 42"],
+                 packages=["tandemprobe"]) == 1.0

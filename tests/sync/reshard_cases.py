@@ -18,7 +18,7 @@ from qwen2_shape import Qwen2Shape  # noqa: E402
 from tandem.sync.layout import (Mesh, ModelLayout, Spec, build_layout, layout_from_dtensors, local_tensor,
                                 replicated_layout)
 from tandem.sync.planner import assign_ranks, plan, renumber
-from tandem.sync.reshard import Resharder, reshard
+from tandem.sync.reshard import Resharder
 
 DENSE = Qwen2Shape(vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48)
 DENSE_TP4 = Qwen2Shape(vocab=96, hidden=32, layers=2, heads=8, kv_heads=4, intermediate=48)
@@ -180,7 +180,7 @@ def dtensor_cases(rank: int) -> dict[str, str]:
             named = dict(model.named_parameters())
             src = layout_from_dtensors(named)
             dst = replicated_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, range(4))
-            got = reshard(plan(src, dst), rank, named)  # every rank takes part before any check can fail
+            got = Resharder(plan(src, dst), rank).run(named)  # every rank takes part before any check can fail
             bad = [n for n in full if not torch.equal(got[n], full[n])]
             # the layout read agrees with the live local shards
             bad += [f"{n} (layout)" for n, t in named.items()

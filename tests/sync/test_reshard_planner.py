@@ -174,7 +174,7 @@ def test_rounds_keep_each_rank_under_the_bucket():
 
 def test_executor_in_one_process_copies_locally():
     # One rank re-lays its own tensors (fused TP pieces on rank 0 -> a flat shard and a full copy): no process group.
-    from tandem.sync.reshard import Resharder, reshard
+    from tandem.sync.reshard import Resharder
 
     params = {"qkv": ((8, 3), torch.bfloat16), "b": ((5,), torch.bfloat16)}
     src = {"qkv": ParamLayout((8, 3), torch.bfloat16, {0: take(full_shard((8, 3)), 0, [(4, 8), (0, 4)])}),  # rows swapped
@@ -185,7 +185,7 @@ def test_executor_in_one_process_copies_locally():
     mine = {n: local_tensor(pl, 0, full[n]) for n, pl in src.items()}
     p = plan(src, dst)
     out = {"qkv": torch.zeros(24, dtype=torch.bfloat16)}
-    got = reshard(p, 0, mine, out=out)
+    got = Resharder(p, 0).run(mine, out)
     assert got["qkv"].data_ptr() == out["qkv"].data_ptr() and p.bytes_moved == 0
     assert all(torch.equal(got[n], local_tensor(dst[n], 0, full[n])) for n in params)
     streamed = [name for batch in Resharder(p, 0, bucket_bytes=64).stream(mine) for name, _ in batch]

@@ -12,7 +12,7 @@ import torch
 
 from tandem.run import checkpoint
 from tandem.config import ConfigError, load_config
-from tandem.trainer import prepare, train
+from tandem.trainer import start_run, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from test_trainer import read_metrics, small_config  # noqa: E402
@@ -83,7 +83,7 @@ def test_saved_adapter_loads_with_peft_and_merged_export_with_transformers(tiny_
     train(cfg)
     last = checkpoint.latest(out / "checkpoints")
     worker = HybridWorker(cfg)  # the trainer's model, resumed from the checkpoint
-    worker.load(str(last))
+    worker.restore(str(last))
     ids = torch.tensor([[5, 17, 42, 9, 33, 101, 7]])
 
     def logprobs(model) -> torch.Tensor:
@@ -139,7 +139,7 @@ def test_bad_lora_configs_are_refused_before_any_model_loads(tiny_model, tmp_pat
     monkeypatch.setattr(modeling, "load_causal_lm", no_loading)
     extra = ("placement.backend=ray", "placement.workers=2") if "tensor_parallel" in override else ()
     with pytest.raises(ConfigError, match=words):
-        prepare(lora_config(tiny_model, tmp_path / "run", override, *extra), claim_output_dir=False)
+        start_run(lora_config(tiny_model, tmp_path / "run", override, *extra), claim_output_dir=False)
 
 
 def test_lora_defaults_per_architecture():

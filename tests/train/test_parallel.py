@@ -71,11 +71,11 @@ def _train(policy, rows: list[int] | None, between=None) -> list[float]:
 
 def _offload_roundtrip(policy) -> None:
     groups = ("params", "grads", "optim", "ref")
-    policy.offload(*groups)
+    policy.to_host(*groups)
     report = policy.residency()
     assert all(v == 0 for v in report.values()), report
     assert all(p.to_local().untyped_storage().nbytes() == 0 for p in policy.model.parameters())
-    policy.load(*groups)
+    policy.to_device(*groups)
     assert policy.residency()["params"] > 0 and policy.residency()["optim"] > 0
     # this rank's optimizer shards survive a save/load (as plain tensors) and training goes on unchanged
     buf = io.BytesIO()
@@ -151,12 +151,12 @@ def test_offload_is_exact_and_engine_sleeps(tmp_path):
 
         token_logprobs(policy.model, mb, 1.0)[0].sum().backward()
         grads = [p.grad.clone() for p in policy.params]
-        policy.offload("params", "grads", "optim", "ref")
+        policy.to_host("params", "grads", "optim", "ref")
         report = policy.residency()
         assert report == {"params": 0, "grads": 0, "optim": 0, "ref": 0}, report
         assert all(p.untyped_storage().nbytes() == 0 for p in policy.params)
         assert all(p.grad.untyped_storage().nbytes() == 0 for p in policy.params)
-        policy.load("params", "grads", "optim", "ref")
+        policy.to_device("params", "grads", "optim", "ref")
         assert all(torch.equal(p.grad, g) for p, g in zip(policy.params, grads))
         policy.optimizer.zero_grad(set_to_none=True)
 

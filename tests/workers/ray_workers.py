@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -60,3 +62,27 @@ class ProbeWorker:
     def close(self) -> None:
         if self.marker_dir:
             Path(self.marker_dir, f"closed-{self.ctx.name}-{self.ctx.rank}").write_text("")
+
+
+def start_group(name: str, factory, size: int = 1, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0,
+                **options):
+    """One group alone: `start_groups` with one spec (its `ctx.group` is the WORLD group)."""
+    from tandem.workers.ray_group import GroupSpec, start_groups
+
+    return start_groups([GroupSpec(name, factory, size, cpus_per_worker, gpus_per_worker)], **options)[0]
+
+
+@contextmanager
+def ray_session(*, address: str | None = None, num_cpus: float | None = None, num_gpus: int | None = None,
+                temp_dir: str | None = None, log_to_driver: bool = True,
+                object_store_memory: int | None = None) -> Iterator[None]:
+    """Hold one Ray session across several tests' `start_groups` (each ray.init costs seconds); shut down on exit
+    if this opened it."""
+    from tandem.workers.ray_group import _acquire_ray, _release_ray
+
+    owned = _acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
+    try:
+        yield
+    finally:
+        if owned:
+            _release_ray()

@@ -19,7 +19,7 @@ from test_placement import BOUNDED, fixed_completions, small_config  # noqa: E40
 from tandem.rollout import Samples  # noqa: E402
 from tandem.trainer import train  # noqa: E402
 from tandem.workers.hybrid import HybridWorker  # noqa: E402
-from tandem.workers.ray_group import ray_session, start_group  # noqa: E402
+from ray_workers import ray_session, start_group  # noqa: E402
 
 LORA = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "optim.lr=1e-2")
 

@@ -25,7 +25,7 @@ from tandem.rollout import Completion, Samples  # noqa: E402
 from tandem.trainer import train  # noqa: E402
 from tandem.workers.group import WorkerError  # noqa: E402
 from tandem.workers.hybrid import HybridWorker  # noqa: E402
-from tandem.workers.ray_group import ray_session, start_group  # noqa: E402
+from ray_workers import ray_session, start_group  # noqa: E402
 from tandem.workers.train import TrainWorker  # noqa: E402
 
 BOUNDED = dict(pg_timeout_s=120, setup_timeout_s=180)

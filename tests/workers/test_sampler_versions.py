@@ -61,7 +61,7 @@ def test_generate_waits_for_the_version_asked_and_loads_it(tiny_model, tmp_path,
     receiver.join(30)
     t.join(30)
     gen = box["result"]
-    assert gen.version == 1 and len(gen.completions) == 4
+    assert gen.version == 1 and len(gen.samples) == 4
     assert gen.idle_seconds >= 0.5  # the wait for weights is the sampler's idle time
     for name, w in worker.engine.weights().items():
         assert torch.equal(w, new[name]), name

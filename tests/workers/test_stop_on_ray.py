@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "run"))
 from signal_runs import descendants, launch, settings, stopped_well, write_config  # noqa: E402
 
 

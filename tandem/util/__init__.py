@@ -1,0 +1,2 @@
+"""Small process-level helpers that every layer may use, importing nothing of tandem: tensor storage freed and
+restored in place (`residency`), the global RNGs' state (`rng`), a free port to listen on (`net`)."""
