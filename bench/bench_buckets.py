@@ -36,7 +36,7 @@ def main() -> None:
     from tandem.demo import demo_model
     from tandem.modeling import load_tokenizer
     from tandem.rollout import Samples, make_engine
-    from tandem.trainer import sampling_for
+    from tandem.run.source import sampling_for
     from tandem.train.policy import Policy
 
     path = str(demo_model())
