@@ -10,18 +10,9 @@ from tandem.modeling import read_json
 
 log = logging.getLogger(__name__)
 
-# transformers 5 trains a mixture of experts with each layer's experts fused into 3-D tensors
-# (`mlp.experts.gate_up_proj`), while vLLM loads the checkpoint's per-expert tensors (`experts.0.gate_proj.weight`):
-# the trainer's names are not the engine's, and a sync would need transformers' conversion on every one.
-_MOE_VLLM = ("the trainer's fused expert tensors (transformers 5: mlp.experts.gate_up_proj) are not the "
-             "checkpoint's per-expert tensors that vLLM loads, and tandem's weight sync does not convert them")
-# tandem's TP plan (tandem/train/parallel.py) shards q/k/v/o_proj and gate/up/down_proj of every layer.
-_NO_TP_FUSED = "its attention and MLP projections are fused (qkv_proj, gate_up_proj): tandem's TP plan has no entry for them"
+# tandem's TP plan (tandem/train/parallel.py) shards the attention and MLP projections of every layer, fused ones
+# (Phi-3's qkv_proj, gate_up_proj) by parts; an MoE's experts are 3-D tensors it has no entry for.
 _NO_TP_MOE = "its MLP is a mixture of experts: tandem's TP plan shards dense MLPs only"
-# Seen in the zoo test: the forward matches one process, the second update does not (4e-5 relative). q_norm/k_norm
-# normalize each head, so under TP each rank's copy gets the gradient of its own heads only, and nothing sums them.
-_NO_TP_QK_NORM = ("its per-head q_norm/k_norm weights see only their rank's heads under tandem's TP plan, so their "
-                  "gradients are partial (the zoo test's second update differs from one process)")
 
 
 # LoRA's default targets: every projection of attention and the MLP (QLoRA's finding: adapting all linear layers
@@ -38,17 +29,21 @@ class Support:
     vllm: str = ""  # "" = supported
     tp: str = ""
     lora: tuple[str, ...] = _DENSE  # lora.target_modules when the config names none
+    experts: bool = False  # a mixture of experts (the sync cuts its fused experts; see has_experts)
 
 
+# An MoE runs with vLLM: transformers 5 trains each layer's experts fused into 3-D tensors (mlp.experts.gate_up_proj)
+# and vLLM loads the checkpoint's per-expert ones; every sync sends the latter, as views of the former
+# (tandem.sync.convert, from transformers' own conversion mapping).
 SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_model_zoo.py finds it
     "qwen2": Support("Qwen2 / Qwen2.5"),
     "llama": Support("Llama 3"),
-    "qwen3": Support("Qwen3", tp=_NO_TP_QK_NORM),
+    "qwen3": Support("Qwen3"),
     "gemma": Support("Gemma"),
     "mistral": Support("Mistral"),
-    "phi3": Support("Phi-3 / Phi-4", tp=_NO_TP_FUSED, lora=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-    "qwen3_moe": Support("Qwen3-MoE", vllm=_MOE_VLLM, tp=_NO_TP_MOE, lora=_ATTENTION),
-    "mixtral": Support("Mixtral", vllm=_MOE_VLLM, tp=_NO_TP_MOE, lora=_ATTENTION),
+    "phi3": Support("Phi-3 / Phi-4", lora=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    "qwen3_moe": Support("Qwen3-MoE", tp=_NO_TP_MOE, lora=_ATTENTION, experts=True),
+    "mixtral": Support("Mixtral", tp=_NO_TP_MOE, lora=_ATTENTION, experts=True),
 }
 
 
@@ -57,6 +52,12 @@ def lora_targets(kind: str) -> list[str] | str:
     head) outside the table."""
     known = SUPPORT.get(kind)
     return list(known.lora) if known is not None else "all-linear"
+
+
+def has_experts(path: str) -> bool:
+    """Whether the model in `path` is a mixture of experts tandem knows (`Support.experts`)."""
+    known = SUPPORT.get(model_type(path))
+    return known is not None and known.experts
 
 
 def model_type(path: str) -> str:

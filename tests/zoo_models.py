@@ -29,8 +29,11 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
         "gemma": ("GemmaConfig", dict(c, head_dim=HEAD_DIM, tie_word_embeddings=True,
                                       hidden_activation="gelu_pytorch_tanh")),
         "mistral": ("MistralConfig", dict(c, head_dim=HEAD_DIM, sliding_window=None)),
-        "phi3": ("Phi3Config", dict(c, pad_token_id=pad, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
-                                    original_max_position_embeddings=512)),
+        # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj; GQA as in Phi-4 (4 q heads, 2 kv heads: [q | k | v] of
+        # unequal parts, split by heads under TP), head_dim = hidden / heads = 32
+        "phi3": ("Phi3Config", dict(c, hidden_size=2 * HIDDEN, num_attention_heads=2 * HEADS,
+                                    num_key_value_heads=KV_HEADS, pad_token_id=pad, resid_pdrop=0.0, embd_pdrop=0.0,
+                                    attention_dropout=0.0, original_max_position_embeddings=512)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(c, head_dim=HEAD_DIM, **moe)),
         "mixtral": ("MixtralConfig", dict(c, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2,
                                           sliding_window=None)),

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import torch
 
 from tandem.modeling import check_model_files
 from tandem.rollout.base import Completion, Sampling
-from tandem.rollout.manifest import Digest, check_manifest, digest
+from tandem.rollout.manifest import Digest, ManifestError, check_manifest, digest
 from tandem.rollout.vllm_worker import check_adapter, encode_weights, lora_rank_for
 from tandem.util.net import free_address
 from tandem.util.rng import rng_state, set_rng_state
@@ -156,6 +157,12 @@ def _on_cpu() -> bool:
 # ------------------------------------------------------------------------------------------ weights: the checkpoint
 
 
+# A checkpoint's per-expert tensor (`model.layers.0.mlp.experts.3.up_proj.weight`, Mixtral's
+# `block_sparse_moe.experts.3.w3.weight`): vLLM loads all of a layer's experts into one fused-MoE module (w13 and w2
+# over every expert), whose layer-wise reload on CPU rebuilds it only once all of them have arrived.
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
+
+
 class _Checkpoint:
     """Names, shapes and fusion groups of the model's checkpoint tensors: what a weight update is checked against."""
 
@@ -182,9 +189,14 @@ class _Checkpoint:
         self.groups: dict[str, str] = {name: name.rpartition(".")[0] for name in self.shapes}
 
     def set_packed(self, packed: dict[str, list[str]]) -> None:
-        """Map each checkpoint tensor to the vLLM module it loads into (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+        """Map each checkpoint tensor to the vLLM module it loads into (q/k/v -> qkv_proj, gate/up -> gate_up_proj;
+        every expert's tensors of a layer -> that layer's fused-MoE module, which holds all its experts)."""
         part_to_packed = {part: fused for fused, parts in packed.items() for part in parts}
         for name in self.shapes:
+            expert = _EXPERT.match(name)
+            if expert is not None:
+                self.groups[name] = expert.group(1)
+                continue
             module = name.rpartition(".")[0]
             parent, _, leaf = module.rpartition(".")
             self.groups[name] = f"{parent}.{part_to_packed[leaf]}" if leaf in part_to_packed else module
@@ -286,15 +298,21 @@ class EngineWeights:
         self.bucket_bytes = int(bucket_mb) << 20
         self.sync_path = "load_weights"
         self._shadow: dict[str, torch.Tensor] = {}
+        self._stuck: dict[str, str] = {}  # vLLM module -> why its weights cannot be updated here
 
-    def attach(self, packed: dict[str, list[str]], on_cpu: bool) -> None:
-        """What the started engine says: its fused modules (q/k/v -> qkv_proj, ...), and where it runs. On CPU
-        updates go through vLLM's layer-wise reload, which rebuilds whole modules: tensors of a fused module that
-        an update leaves out are resent from a copy of what the engine holds (modules of several tensors only)."""
+    def attach(self, packed: dict[str, list[str]], on_cpu: bool, stuck: dict[str, str] | None = None) -> None:
+        """What the started engine says: its fused modules (q/k/v -> qkv_proj, ...), where it runs, and (`stuck`)
+        the modules its reload cannot rewrite, with why. On CPU updates go through vLLM's layer-wise reload, which
+        rebuilds whole modules: tensors of a fused module that an update leaves out are resent from a copy of what
+        the engine holds (modules of several tensors only)."""
         self.checkpoint.set_packed(packed)
         self.sync_path = "reload" if on_cpu else "load_weights"
+        self._stuck = dict(stuck or {}) if on_cpu else {}
         if on_cpu:
-            multi = {n for names in self.checkpoint.members().values() if len(names) > 1 for n in names}
+            # Not the experts: they are most of an MoE's bytes, and a copy of them here would be one more full copy
+            # per sync; an update brings a layer's experts whole or not at all (_groups refuses the rest).
+            multi = {n for names in self.checkpoint.members().values() if len(names) > 1 for n in names
+                     if not _EXPERT.match(n)}
             self._shadow = self.checkpoint.load(multi)
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], send: Callable[[Bucket], None],
@@ -321,8 +339,19 @@ class EngineWeights:
         if self.sync_path != "reload":
             return [[(n, t)] for n, t in staged.items()]
         out = []
-        for names in self.checkpoint.members().values():
+        for group, names in self.checkpoint.members().items():
+            if any(n in staged for n in names) and group in self._stuck:
+                raise ManifestError(f"load_weights into the vLLM engine ({self.checkpoint.path}): refused before "
+                                    f"anything was written (the engine keeps its weights): {group}: "
+                                    f"{self._stuck[group]}; use rollout.engine: hf for this model")
             if any(n in staged for n in names):
+                lacking = [n for n in names if n not in staged and n not in self._shadow]
+                if lacking:
+                    raise ManifestError(
+                        f"load_weights into the vLLM engine ({self.checkpoint.path}): refused before anything was "
+                        f"written (the engine keeps its weights): {group} is one module in vLLM, rebuilt whole on CPU, "
+                        f"and this update brings {len(names) - len(lacking)} of its {len(names)} tensors (missing: "
+                        f"{', '.join(map(repr, lacking[:4]))}{' ...' if len(lacking) > 4 else ''}); send all of them")
                 out.append([(n, staged[n] if n in staged else self._shadow[n]) for n in names])
         return out
 
@@ -471,7 +500,8 @@ class VLLMEngine:
         # bytes then. Under external_launcher each rank's worker is in this process.
         self._serialize = (tensor_parallel_size > 1 and not external) or \
             os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
-        self.updates.attach(self.llm.collective_rpc("tandem_packed_modules")[0], self.on_cpu)
+        self.updates.attach(self.llm.collective_rpc("tandem_packed_modules")[0], self.on_cpu,
+                            self.llm.collective_rpc("tandem_unreloadable_experts")[0])
         self.pre_truncation_logprobs = all(self.llm.collective_rpc("tandem_pre_truncation_logprobs"))
         if not self.pre_truncation_logprobs:
             log.warning("vLLM sampler not patched: logprobs under top-k/top-p are post-truncation")
@@ -845,7 +875,8 @@ class VLLMServerEngine:
         try:
             self._wait_ready(startup_timeout_s)
             self.model_name = self._get("/v1/models")["data"][0]["id"]
-            self.updates.attach(self._rpc("tandem_packed_modules")[0], self.on_cpu)
+            self.updates.attach(self._rpc("tandem_packed_modules")[0], self.on_cpu,
+                                self._rpc("tandem_unreloadable_experts")[0])
             self.pre_truncation_logprobs = all(self._rpc("tandem_pre_truncation_logprobs"))
         except BaseException:
             self.close()

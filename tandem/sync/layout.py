@@ -296,7 +296,8 @@ def build_layout(params: Mapping[str, tuple[Sequence[int], torch.dtype]], mesh: 
 # ----------------------------------------------------------------------------------------------- live DTensors
 
 def _runs(index: list[int]) -> list[tuple[int, int, int]]:
-    """Consecutive runs of a sorted index list as (global start, global stop, local start)."""
+    """Runs of consecutive global indices (each one more than the last) in a rank's index list, as (global start,
+    global stop, local start): the list is sorted, or a sorted one mapped through a fused weight's row order."""
     runs: list[tuple[int, int, int]] = []
     for pos, g in enumerate(index):
         if runs and runs[-1][1] == g:
@@ -306,10 +307,15 @@ def _runs(index: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def dtensor_shards(shape: Sequence[int], mesh_ranks: torch.Tensor, placements: Sequence) -> dict[int, Shard]:
+def dtensor_shards(shape: Sequence[int], mesh_ranks: torch.Tensor, placements: Sequence,
+                   rows: Sequence[int] | None = None) -> dict[int, Shard]:
     """Every mesh rank's local tensor of a DTensor with this global shape, mesh (its tensor of ranks) and
     placements: Shard and _StridedShard cut dimensions as DTensor does (left to right over mesh dims), Replicate
-    keeps them; a Partial placement is not a weight layout and is refused."""
+    keeps them; a Partial placement is not a weight layout and is refused.
+
+    rows: the parameter's row (dim 0) held by each row of the DTensor's global tensor, where the two differ (a
+    fused weight stored in tensor-parallel block order): each rank's pieces are then boxes of the parameter, a
+    contiguous local range splitting into one piece per fused part."""
     from torch.distributed.tensor import Replicate, Shard as DShard
     from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
@@ -328,6 +334,8 @@ def dtensor_shards(shape: Sequence[int], mesh_ranks: torch.Tensor, placements: S
                 index[pl.dim] = index[pl.dim][lo:hi]
             else:
                 raise ValueError(f"placement {pl} is not a weight layout")
+        if rows is not None:
+            index[0] = [int(rows[i]) for i in index[0]]
         per_dim = [_runs(ix) for ix in index]
         pieces = []
         if all(per_dim):
@@ -358,17 +366,19 @@ def _on_root_mesh(t) -> tuple[torch.Tensor, list]:
 
 
 def layout_from_dtensors(named: Mapping[str, torch.Tensor],
-                         rank_map: Callable[[int], int] | None = None) -> ModelLayout:
+                         rank_map: Callable[[int], int] | None = None,
+                         row_orders: Mapping[str, Sequence[int]] | None = None) -> ModelLayout:
     """The layout of live parameters (FSDP2 `fully_shard`, `parallelize_module`, or plain tensors = replicated on
     every rank of the world) read from their meshes and placements. Ranks are the world's global ranks, or
-    `rank_map(global_rank)` (e.g. the rank in the executor's group)."""
+    `rank_map(global_rank)` (e.g. the rank in the executor's group). `row_orders`: name -> the parameter's row held
+    by each row of its DTensor's global tensor, for fused weights stored in block order (`Policy.tp.row_orders`)."""
     from torch.distributed.tensor import DTensor
 
     remap = rank_map or (lambda r: r)
     out: ModelLayout = {}
     for name, t in named.items():
         if isinstance(t, DTensor):
-            shards = dtensor_shards(t.shape, *_on_root_mesh(t))
+            shards = dtensor_shards(t.shape, *_on_root_mesh(t), rows=(row_orders or {}).get(name))
         else:
             import torch.distributed as dist
             world = dist.get_world_size() if dist.is_initialized() else 1

@@ -1,11 +1,16 @@
 """Data and tensor parallelism for the policy: the (dp, tp) mesh, FSDP2 + TP wrapping, and sharded grad clipping."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from tandem.util import residency
 
 # Prefixes that wrappers add to parameter names (activation checkpointing, torch.compile); FSDP2 and TP add none.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
@@ -14,6 +19,69 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 # layer needs one all-reduce after attention and one after the MLP and nothing between.
 _COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _qkv_parts(linear: nn.Linear, cfg) -> tuple[int, ...]:
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    d = linear.out_features // (heads + 2 * kv)
+    return heads * d, kv * d, kv * d
+
+
+def _halves(linear: nn.Linear, cfg) -> tuple[int, ...]:
+    return linear.out_features // 2, linear.out_features // 2
+
+
+# Phi-3's fused projections stack column-parallel projections in one weight: qkv_proj's rows are [q | k | v] (by
+# heads, k and v fewer under GQA), gate_up_proj's [gate | up]. A plain column split would give rank 0 all of q and
+# part of k, so each part is split on its own: the rows are stored in tensor-parallel block order (rank 0's q, k and
+# v rows, then rank 1's, ...; see `block_order`) and that is split plainly. The DTensor's global tensor is then the
+# block-ordered one; TPState.row_orders maps it back to the Hugging Face rows (state dicts, sync layouts).
+_FUSED_COLWISE = {"self_attn.qkv_proj": _qkv_parts, "mlp.gate_up_proj": _halves}
+# Replicated parameters fed by this rank's heads only: Qwen3's per-head q_norm/k_norm normalize each head of the
+# sharded q and k, so each rank's gradient covers its own heads and the gradient is their sum over the tp group
+# (transformers' plan calls this replicated_with_grad_allreduce). Summed once per optimizer step, after every
+# micro-batch's backward (`sum_partial_grads`): a per-backward sum would add the accumulated gradient again.
+_PARTIAL_GRADS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+@dataclass(frozen=True)
+class TPState:
+    """What tensor parallelism leaves to the policy beyond DTensor's own bookkeeping (empty without TP)."""
+
+    # HF name -> the HF row of each row of the stored (block-ordered) tensor, for the fused weights
+    row_orders: dict[str, torch.Tensor] = field(default_factory=dict)
+    partial_grads: tuple[str, ...] = ()  # HF names whose gradients each tp rank holds a part of
+    group: dist.ProcessGroup | None = None  # the tp group they are summed over
+
+
+def block_order(parts: Sequence[int], tp: int) -> torch.Tensor:
+    """The Hugging Face row of each row of a fused weight in tensor-parallel block order: rank by rank, that rank's
+    chunk of every part in turn, so that cutting it into `tp` equal blocks gives each rank its chunk of each part
+    (parts [4, 2, 2] over 2 ranks: rows 0 1 4 6 | 2 3 5 7)."""
+    blocks: list[list[torch.Tensor]] = [[] for _ in range(tp)]
+    start = 0
+    for size in parts:
+        step = size // tp  # _check_tp saw heads, kv heads and the MLP width divide by tp
+        for r in range(tp):
+            blocks[r].append(torch.arange(start + r * step, start + (r + 1) * step))
+        start += size
+    return torch.cat([t for block in blocks for t in block])
+
+
+class _RankHeads:
+    """A layer's view of the model config with this rank's attention heads, for attention code that slices its fused
+    qkv output by the config's head count (Phi-3: `qkv[..., :config.num_attention_heads * head_dim]`); every other
+    field reads through to the model's config."""
+
+    def __init__(self, config, tp: int):
+        self._config = config
+        self.num_attention_heads = config.num_attention_heads // tp
+
+    def __getattr__(self, name: str):
+        if name == "_config" or name.startswith("__"):  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self._config, name)
 
 
 # One process group per rank set, made once and reused by later meshes (a communicator is not free).
@@ -62,29 +130,68 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _check_tp(model: nn.Module, tp: int) -> None:
     cfg = model.config
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(cfg, field, None)
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(cfg, key, None)
         if value is not None and value % tp:
-            raise ValueError(f"parallel.tp = {tp} does not divide the model's {field} ({value})")
+            raise ValueError(f"parallel.tp = {tp} does not divide the model's {key} ({value})")
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh | None) -> nn.Module:
-    """TP over "tp" in each decoder layer, then FSDP2 (ZeRO-3) per layer and at the root over "dp". In place.
+def _has(layer: nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+@torch.no_grad()
+def _store_in_block_order(linear: nn.Linear, order: torch.Tensor) -> None:
+    for p in linear.parameters(recurse=False):  # weight rows, and the bias's entries alike
+        p.copy_(p[order])  # indexing copies first, so no row is read after it was overwritten
+
+
+def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
+    """Each decoder layer's projections column- or row-parallel over `tp_mesh` (fused ones by parts, in block
+    order), Phi-3's attention told its rank's head counts, and the parameters with partial gradients named."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    _check_tp(model, tp)
+    names = {id(m): n for n, m in model.named_modules()}
+    orders: dict[str, torch.Tensor] = {}
+    partial: list[str] = []
+    for layer in decoder_layers(model):
+        prefix = names[id(layer)]
+        plan = ({n: ColwiseParallel() for n in _COLWISE if _has(layer, n)}
+                | {n: RowwiseParallel() for n in _ROWWISE if _has(layer, n)})
+        for n, parts in ((n, f) for n, f in _FUSED_COLWISE.items() if _has(layer, n)):
+            linear = layer.get_submodule(n)
+            order = block_order(parts(linear, model.config), tp)
+            _store_in_block_order(linear, order)
+            orders.update({f"{prefix}.{n}.{p}": order for p, _ in linear.named_parameters()})
+            plan[n] = ColwiseParallel()
+        if _has(layer, "self_attn.qkv_proj"):  # its forward slices q, k, v by head counts: this rank's now
+            attn = layer.get_submodule("self_attn")
+            attn.config = _RankHeads(attn.config, tp)
+            attn.num_key_value_heads //= tp
+        for n in (n for n in _PARTIAL_GRADS if _has(layer, n)):
+            partial += [f"{prefix}.{n}.{p}" for p, _ in layer.get_submodule(n).named_parameters()]
+        parallelize_module(layer, tp_mesh, plan)
+    return TPState(orders, tuple(partial), tp_mesh.get_group())
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh | None) -> TPState:
+    """TP over "tp" in each decoder layer, then FSDP2 (ZeRO-3) per layer and at the root over "dp". In place;
+    returns what TP leaves to the caller (fused weights' row orders, parameters with partial gradients).
 
     Embeddings, norms and the LM head stay whole on every tp rank (so tied embeddings stay tied and the logits
     need no gather); FSDP shards them over dp like everything else. Parameters compute in their own dtype
     (`model.dtype`): FSDP's mixed precision (bf16 compute over fp32 parameters) is not offered yet.
     """
     if mesh is None or mesh.size() == 1:
-        return model
+        return TPState()
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
-    if tp > 1:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        _check_tp(model, tp)
-        plan = {name: ColwiseParallel() for name in _COLWISE} | {name: RowwiseParallel() for name in _ROWWISE}
-        for layer in decoder_layers(model):
-            parallelize_module(layer, mesh["tp"], plan)
+    state = _tensor_parallel(model, mesh["tp"]) if tp > 1 else TPState()
     if dp > 1 or tp > 1:
         # With tp > 1 and dp == 1 FSDP still wraps (over a mesh of one): it costs nothing and keeps one code path
         # (DTensor parameters everywhere, the same state-dict and gather helpers).
@@ -95,7 +202,24 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None) -> nn.Module:
             # ZeRO-3: a layer's full weights live only while it runs (one more all-gather in backward for memory).
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
         fully_shard(model, mesh=dp_mesh)
-    return model
+    return state
+
+
+def sum_partial_grads(model: nn.Module, state: TPState) -> None:
+    """Sum over the tp group the gradients each rank holds a part of (`TPState.partial_grads`), in one all-reduce.
+    Call once per optimizer step, after the last backward: the sum of accumulated parts is the accumulated sum.
+    Under FSDP each grad is this dp rank's shard, the same rows on every tp rank of its dp column."""
+    params = dict(model.named_parameters())
+    # every tp rank ran the same passes, so the same gradients exist on each
+    grads = [residency.local(params[n].grad) for n in state.partial_grads if params[n].grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=state.group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def hf_name(name: str) -> str:

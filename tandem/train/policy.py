@@ -175,7 +175,7 @@ class Policy:
         self.model.train()
         # see token_logprobs: FSDP's hooks want one forward per backward
         self.share_prompts = self.mesh is None and shares_prompts(self.model)
-        parallelize(self.model, self.mesh)
+        self.tp = parallelize(self.model, self.mesh)  # fused weights' row orders, the partial gradients to sum
         self.ref = None
         self.uses_ref = algo.kl_coef > 0
         if self.uses_ref and self.lora is None:  # a model's memory and a forward per step: only when used
@@ -263,7 +263,8 @@ class Policy:
 
     def named_weights(self):
         """(HF name, tensor) of every weight an engine samples with (with LoRA, each adapted one merged); with a mesh
-        these are DTensor shards (tandem.sync reshards them)."""
+        these are DTensor shards (tandem.sync reshards them), a fused weight under TP in block order (its DTensor's
+        global rows are the Hugging Face rows `self.tp.row_orders[name]`: pass that to `layout_from_dtensors`)."""
         if self.lora is not None:
             from tandem.train.lora import merged_weights
 
@@ -346,6 +347,10 @@ class Policy:
                 if check_sampler is not None:  # on-policy: one mini-batch, its forwards done, nothing stepped yet
                     self._check_sampler(stats, check_sampler)
                     check_sampler = None
+                if self.tp.partial_grads:  # complete them before the norm sees them
+                    from tandem.train.parallel import sum_partial_grads
+
+                    sum_partial_grads(self.model, self.tp)
                 grad_norms.append(self._clip(clip))
                 self.optimizer.step()
                 self.scheduler.step()
@@ -450,7 +455,10 @@ class Policy:
         from tandem.train.parallel import hf_name
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        return {hf_name(k): v.detach().cpu() for k, v in sd.items()}
+        full = {hf_name(k): v.detach().cpu() for k, v in sd.items()}
+        for name, order in self.tp.row_orders.items():  # stored row i is the Hugging Face row order[i]
+            full[name] = torch.empty_like(full[name]).index_copy_(0, order, full[name])
+        return full
 
     def load_full_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full HF weights (every rank passes the whole dict) into the model, sharded or not.
@@ -464,8 +472,10 @@ class Policy:
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            # a copy: set_model_state_dict replaces the dict's values with sharded ones, in place
-            missing, unexpected = set_model_state_dict(self.model, dict(weights),
+            # a copy: set_model_state_dict replaces the dict's values with sharded ones, in place; fused weights
+            # in the block order they are stored in
+            weights = {k: v[self.tp.row_orders[k]] if k in self.tp.row_orders else v for k, v in weights.items()}
+            missing, unexpected = set_model_state_dict(self.model, weights,
                                                        options=StateDictOptions(full_state_dict=True, strict=False))
         missing = [k for k in missing if k not in tied]
         if missing or unexpected:

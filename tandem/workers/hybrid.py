@@ -106,8 +106,8 @@ class HybridWorker:
             theirs = self.engine.weight_digest()
         except Exception as exc:  # the diagnosis must not hide the stop itself
             return f"(The engine's checksums could not be read: {exc!r}.)"
-        ours = {name: digest(t.full_tensor() if hasattr(t, "full_tensor") else t)
-                for name, t in self.policy.named_weights()}
+        full = ((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in self.policy.named_weights())
+        ours = {name: digest(t) for name, t in self.trainer.to_engine.views(full)}  # by the engine's names
         stale = differing(ours, theirs)
         if not stale:
             return (f"Every one of the {len(ours)} parameters the engine was given matches the trainer's by checksum, "
@@ -121,8 +121,9 @@ class HybridWorker:
         self._enter("sync")
         self.version = version
         start = time.perf_counter()
-        if self.trainer.mesh is None:
-            return self.trainer.synced(start, push_weights(self.policy.named_weights(), self.engine)["bytes"])
+        if self.trainer.mesh is None:  # by the engine's names: an MoE's experts as views of the fused tensors
+            named = self.trainer.to_engine.views(self.policy.named_weights())
+            return self.trainer.synced(start, push_weights(named, self.engine)["bytes"])
         from tandem.sync.reshard import Resharder
 
         if self._resharder is None:  # the layouts never change during a run: plan once (every rank alike)
@@ -130,7 +131,8 @@ class HybridWorker:
                                         bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
         # straight into the engine's own weights where it allows that (hf); else through its load_weights
         inplace = self.engine.weights() if hasattr(self.engine, "weights") else None
-        for bucket in self._resharder.stream(dict(self.policy.named_weights()), out=inplace):
+        sources = self.trainer.to_engine.sources_of(dict(self.policy.named_weights()))  # the plan's names
+        for bucket in self._resharder.stream(sources, out=inplace):
             self.engine.load_weights(bucket)
         return self.trainer.synced(start, self._resharder.plan.bytes_moved)
 
@@ -140,7 +142,9 @@ class HybridWorker:
         from tandem.sync.layout import EngineTP, engine_tp_layout
         from tandem.sync.planner import plan, plan_to_replicas
 
-        src = self.trainer.weight_layout(dict(self.policy.named_weights()))
+        # by the engine's names and shapes (an MoE's experts one by one, their pieces in the trainer's fused shards),
+        # so the check below and the planner see what the engine loads
+        src = self.trainer.to_engine.layout(self.trainer.weight_layout(dict(self.policy.named_weights())))
         ranks = self.ctx.group_ranks[self.ctx.name]
         check_plan(self.engine.manifest(), {n: (tuple(p.shape), p.dtype) for n, p in src.items()},
                    f"worker {self.ctx.global_rank}'s engine", self.engine.weight_aliases())

@@ -187,7 +187,8 @@ def build(cfg: Config) -> Placement:
                   samplers.submit(RolloutWorker.open_weight_channel, address, size)]  # a rendezvous: all at once
         for pending in opened:
             pending.get()
-        sync_plan = plan_to_replicas(trainers.call(TrainWorker.weight_layout)[0], samplers.global_ranks)
+        # by the engines' names and shapes (an MoE's experts one by one), so the samplers check what they load
+        sync_plan = plan_to_replicas(trainers.call(TrainWorker.sampler_layout)[0], samplers.global_ranks)
         trainers.call(TrainWorker.set_sync_plan, sync_plan)
         samplers.call(RolloutWorker.set_sync_plan, sync_plan)
     except BaseException:

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from tandem.architectures import has_experts
 from tandem.config import Config
 from tandem.rollout import Completion, Rollout, Samples, Sampling, make_engine
 from tandem.workers.group import WorkerContext
@@ -73,8 +74,11 @@ class RolloutWorker:
             kwargs.update(log_path=str(Path(cfg.run.output_dir) / "vllm-server" / f"{self.ctx.name}-{self.ctx.rank}.log"),
                           cpu_bind=server_cores(self.ctx.global_rank, cfg.placement.cpus_per_worker))
         # LoRA: an in-process vLLM engine serves the adapter itself (from tensors in memory, vLLM's LoRA kernels);
-        # other engines get it merged into the base weights of the adapted modules (see set_sync_plan)
-        self._serves_adapters = cfg.lora.enabled and name == "vllm"
+        # other engines get it merged into the base weights of the adapted modules (see set_sync_plan). So does
+        # vLLM on CPU for a mixture of experts: its LoRA runs the experts through Triton kernels, which have no CPU
+        # backend (seen: "module 'triton.language' has no attribute 'float32'" at the first generate).
+        moe_on_cpu = self.ctx.device == "cpu" and has_experts(cfg.model.path)
+        self._serves_adapters = cfg.lora.enabled and name == "vllm" and not moe_on_cpu
         if self._serves_adapters:
             kwargs["lora_rank"] = cfg.lora.rank
         self.engine = make_engine(name, **kwargs)

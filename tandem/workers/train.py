@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from tandem.config import Config
 from tandem.modeling import load_tokenizer
 from tandem.rollout import Samples
+from tandem.sync.convert import ToCheckpoint
 from tandem.train.batch import MicroBatch, make_micro_batches
 from tandem.train.policy import Policy, PreparedStep
 from tandem.workers.balance import balance
@@ -48,6 +49,11 @@ class TrainWorker:
                              cfg.rollout.temperature, cfg.max_completion_tokens, mesh=self.mesh,
                              device=None if self.ctx.device == "cpu" else self.ctx.device,
                              old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed)
+        # What the engines load: vLLM (in process or a server) takes the checkpoint's tensors by the checkpoint's
+        # names (an MoE's experts one by one, cut from the trainer's fused ones); the hf engine is the trainer's own
+        # transformers class and takes its names as they are.
+        self.to_engine = ToCheckpoint.of_model(self.policy.model, self.policy.named_weights()) \
+            if cfg.rollout.engine == "vllm" else ToCheckpoint()
         self._step: PreparedStep | None = None  # prepared, not yet trained on
         self._idle_since = time.perf_counter()  # see `finished`
 
@@ -133,7 +139,12 @@ class TrainWorker:
         named = self.local_weights() if named is None else named
         if self.mesh is None:
             return replicated_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, [self.ctx.global_rank])
-        return layout_from_dtensors(named)
+        return layout_from_dtensors(named, row_orders=self.policy.tp.row_orders)  # fused weights: by parts
+
+    def sampler_layout(self):
+        """`weight_layout` of what the samplers receive, by the samplers' engine's names and shapes: the layout the
+        trainers -> samplers plan is made from, and checked against each sampler's engine."""
+        return self.to_engine.layout(self.weight_layout())
 
     def set_sync_plan(self, plan) -> None:
         """The trainers -> samplers plan, run over the weight channel (opened first) at every send."""
@@ -153,7 +164,7 @@ class TrainWorker:
         start = time.perf_counter()
         if self.ctx.global_rank == 0:
             self._channel.announce(version, sorted(self._resharder.plan.dst_shapes))
-        self._resharder.run(self.local_weights())
+        self._resharder.run(self.to_engine.sources_of(self.local_weights()))  # the plan's names: see sampler_layout
         return self.synced(start, self._resharder.plan.bytes_moved)
 
     def close(self) -> None:

@@ -187,6 +187,20 @@ def test_colocated_vllm_learns_and_matches_one_worker(session, demo_path, tmp_pa
     assert rows[0]["loss"] == pytest.approx(first["loss"], rel=1e-5, abs=1e-8)
 
 
+def test_colocated_moe_under_fsdp_samples_with_the_trainers_weights(session, tmp_path):
+    """A Qwen3-MoE on 2 colocated workers, FSDP sharding its fused experts by expert, one vLLM engine each: the sync
+    plans the shards straight into the engines' per-expert tensors (tandem.sync.convert), checked against each
+    engine's manifest, and after it the engines sample with the trainer's logprobs (a wrong slice shows 1e-2)."""
+    import zoo_models
+
+    model = zoo_models.build(tmp_path / "qwen3_moe", "qwen3_moe")
+    train(small_config(model, tmp_path / "run", "placement.workers=2", *VLLM, "rollout.vllm.max_model_len=64",
+                       "run.steps=2", "run.save_every=0"))
+    rows = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2]  # step 2 sampled from the weights synced after step 1's update
+    assert max(r["logprob_diff"] for r in rows) <= 1e-5, [r["logprob_diff"] for r in rows]
+
+
 def test_killed_vllm_worker_stops_the_run_and_leaves_nothing(session, vllm_model, tmp_path, monkeypatch):
     """A TP=2 engine over 2 workers; one worker killed after a checkpoint: the run stops naming it, in bounded
     time, the checkpoint intact, both actor processes gone and the engine's /dev/shm segments removed."""
