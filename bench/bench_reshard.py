@@ -2,7 +2,9 @@
 
     .venv/bin/python bench/bench_reshard.py [--hidden 512] [--layers 4] [--vocab 4096] [--repeats 5] [--bucket-mb 64]
 
-4 gloo processes on loopback, one torch thread each, a Qwen2-shaped fp32 parameter set (fused qkv / gate_up).
+4 gloo processes on loopback, one torch thread each, a Qwen2-shaped fp32 parameter set (fused qkv / gate_up);
+the `dp4 ep2` cases start from tandem's expert parallel training layout (`ep_fsdp_layout`, transformers 5's fused
+3-D experts) and must move exactly the lower bound: what each engine rank does not hold already, once.
 For every case: bytes moved over the lower bound (the planner's target is exactly 1.00); the median time of the
 planned reshard into preallocated tensors (as an engine's own weights are filled), through shared memory (these 4
 processes share a host: the default) and over gloo p2p alone (`p2p`, the path between hosts); the naive path
@@ -41,8 +43,38 @@ from tandem.sync.reshard import Resharder  # noqa: E402
 WORLD = 4
 
 
+def fused_experts(moe: Qwen2Shape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """`moe`'s parameters as transformers 5 trains them: each layer's experts fused into 3-D gate_up_proj [E, 2I, H]
+    and down_proj [E, H, I] (what tandem's expert parallelism shards), the rest as they are."""
+    out = {}
+    for name, (shape, dtype) in moe.params().items():
+        if ".experts." not in name:
+            out[name] = (shape, dtype)
+        elif ".experts.0." in name:  # one fused tensor per layer and kind, from expert 0's name and shape
+            prefix, leaf = name.split(".experts.0.")
+            out[f"{prefix}.experts.{leaf.removesuffix('.weight')}"] = ((moe.experts, *shape), dtype)
+    return out
+
+
+def ep_fsdp_layout(params: dict, dp: int, ep: int) -> ModelLayout:
+    """tandem's expert parallel training layout on dp ranks, as `layout_from_dtensors` reads the live DTensors
+    (tests/train/test_expert_parallel.py syncs from those): fused experts Shard(0) over "ep" (adjacent ranks) and
+    FSDP over "edp" on the (edp, ep) mesh, i.e. placements (_StridedShard(0, sf=ep), Shard(0)); every other
+    parameter FSDP Shard(0) over all dp ranks."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from tandem.sync.layout import ParamLayout, dtensor_shards
+
+    grid, flat = torch.arange(dp).view(dp // ep, ep), torch.arange(dp).view(dp)
+    return {n: ParamLayout(shape, dtype, dtensor_shards(shape, grid, [_StridedShard(0, split_factor=ep), Shard(0)])
+                           if ".experts." in n else dtensor_shards(shape, flat, [Shard(0)]))
+            for n, (shape, dtype) in params.items()}
+
+
 def cases(dense: Qwen2Shape, moe: Qwen2Shape) -> dict[str, tuple[ModelLayout, ModelLayout]]:
     p, pm = dense.params(), moe.params()
+    fused, ep = fused_experts(moe), ep_fsdp_layout(fused_experts(moe), 4, 2)
     dp2tp2 = Mesh.of(dp=2, tp=2)
     tp4, to = build_layout(p, Mesh.of(tp=4), dense.spec()), build_layout(p, dp2tp2, dense.spec())
     return {
@@ -52,6 +84,9 @@ def cases(dense: Qwen2Shape, moe: Qwen2Shape) -> dict[str, tuple[ModelLayout, Mo
         "dp1tp4 -> dp2tp2 (ranks assigned)": (tp4, renumber(to, assign_ranks(tp4, to))),
         "dp1tp2cp2 -> dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), dense.spec()), to),
         "dp1tp2ep2 -> dp2tp2 (MoE)": (build_layout(pm, Mesh.of(ep=2, tp=2), moe.spec(ep=2)), build_layout(pm, dp2tp2, moe.spec())),
+        # tandem's expert parallel training (dp 4, ep 2: FSDP over 2 x EP over 2 for the fused experts) into engines
+        "dp4 ep2 (fused MoE) -> 1 engine": (ep, replicated_layout(fused, [0])),
+        "dp4 ep2 (fused MoE) -> 2 engines": (ep, replicated_layout(fused, [0, 1])),
         "fsdp4 -> tp2dp2": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), to),
         "fsdp4 -> 4 replicas (colocated)": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), replicated_layout(p, range(4))),
         "fsdp ranks 0,1 -> replicas 2,3": (build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")), replicated_layout(p, [2, 3])),

@@ -10,11 +10,6 @@ from tandem.modeling import read_json
 
 log = logging.getLogger(__name__)
 
-# tandem's TP plan (tandem/train/parallel.py) shards the attention and MLP projections of every layer, fused ones
-# (Phi-3's qkv_proj, gate_up_proj) by parts; an MoE's experts are 3-D tensors it has no entry for.
-_NO_TP_MOE = "its MLP is a mixture of experts: tandem's TP plan shards dense MLPs only"
-
-
 # LoRA's default targets: every projection of attention and the MLP (QLoRA's finding: adapting all linear layers
 # matches full fine-tuning best), never the embeddings or the LM head.
 _DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -23,18 +18,19 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # an MoE's experts are fu
 
 @dataclass(frozen=True)
 class Support:
-    """Where an architecture runs; a reason string where it does not (what the refusal says)."""
+    """An architecture of the zoo: it runs in every engine and placement (tests/core/test_model_zoo.py checks each)."""
 
     name: str  # as users know it
-    vllm: str = ""  # "" = supported
-    tp: str = ""
     lora: tuple[str, ...] = _DENSE  # lora.target_modules when the config names none
     experts: bool = False  # a mixture of experts (the sync cuts its fused experts; see has_experts)
 
 
 # An MoE runs with vLLM: transformers 5 trains each layer's experts fused into 3-D tensors (mlp.experts.gate_up_proj)
 # and vLLM loads the checkpoint's per-expert ones; every sync sends the latter, as views of the former
-# (tandem.sync.convert, from transformers' own conversion mapping).
+# (tandem.sync.convert, from transformers' own conversion mapping). Under TP, tandem's plan (tandem/train/parallel.py)
+# shards attention (and a dense MLP) and leaves an MoE's router and experts whole on every tp rank, FSDP sharding
+# them over dp as the rest: each tp rank runs the experts on the same tokens, so their gradients need no sum.
+# placement.expert_parallel is what shards the experts themselves.
 SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_model_zoo.py finds it
     "qwen2": Support("Qwen2 / Qwen2.5"),
     "llama": Support("Llama 3"),
@@ -42,8 +38,8 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "gemma": Support("Gemma"),
     "mistral": Support("Mistral"),
     "phi3": Support("Phi-3 / Phi-4", lora=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-    "qwen3_moe": Support("Qwen3-MoE", tp=_NO_TP_MOE, lora=_ATTENTION, experts=True),
-    "mixtral": Support("Mixtral", tp=_NO_TP_MOE, lora=_ATTENTION, experts=True),
+    "qwen3_moe": Support("Qwen3-MoE", lora=_ATTENTION, experts=True),
+    "mixtral": Support("Mixtral", lora=_ATTENTION, experts=True),
 }
 
 
@@ -76,6 +72,7 @@ def check_supported(cfg) -> None:
     parallel = (pl.workers if pl.mode == "colocate" else pl.train_workers) > 1
     wants = [what for what, on in (("rollout.engine: vllm", engine == "vllm"),
                                    ("placement.tensor_parallel > 1", pl.tensor_parallel > 1),
+                                   ("placement.expert_parallel > 1", pl.expert_parallel > 1),
                                    ("sharded training (FSDP)", parallel)) if on]
     known = SUPPORT.get(kind)
     if known is None:
@@ -87,18 +84,37 @@ def check_supported(cfg) -> None:
         log.warning("architecture %r is not in tandem's model zoo (%s); the hf engine in one process runs it with "
                     "the checks of every sync", kind, ", ".join(sorted(SUPPORT)))
         return
-    if engine == "vllm" and known.vllm:
-        raise ConfigError(f"rollout.engine: vllm does not support architecture {kind!r} ({known.name}) in "
-                               f"tandem: {known.vllm}; use rollout.engine: hf")
-    if pl.tensor_parallel > 1 and known.tp:
-        raise ConfigError(f"placement.tensor_parallel: {pl.tensor_parallel} does not support architecture "
-                               f"{kind!r} ({known.name}): {known.tp}; use placement.tensor_parallel: 1 (FSDP only)")
+    if pl.expert_parallel > 1:
+        _check_expert_parallel(cfg.model.path, pl.expert_parallel, kind, known)
+
+
+# Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints
+# say num_experts, Mixtral's num_local_experts, and transformers 5 saves either model with the latter.
+_EXPERT_COUNT = {"qwen3_moe": ("num_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts")}
+
+
+def _check_expert_parallel(path: str, ep: int, kind: str, known: Support) -> None:
+    """placement.expert_parallel splits each MoE layer's experts into ep equal groups: a dense model has none to
+    split, and a count ep does not divide would leave ranks with different numbers of experts."""
+    if not known.experts:
+        raise ConfigError(f"placement.expert_parallel: {ep}, but model.path is {known.name} ({kind!r}), not a mixture "
+                          "of experts; set placement.expert_parallel: 1")
+    config = read_json(Path(path).expanduser() / "config.json")
+    config = config.get("text_config", config)
+    keys = _EXPERT_COUNT.get(kind, ("num_experts", "num_local_experts"))
+    key = next((k for k in keys if config.get(k)), keys[0])
+    experts = int(config.get(key) or 0)
+    if experts % ep or not experts:
+        raise ConfigError(f"placement.expert_parallel: {ep} does not divide the model's {key}={experts} "
+                          f"(model.path {path}); pick a divisor of {experts}")
 
 
 def support_table() -> str:
-    """The README's table of architectures x (hf step, vLLM sync, FSDP, TP)."""
+    """The README's table of architectures x (hf step, vLLM sync, FSDP, TP), with its footnote on MoE under TP."""
     rows = ["| architecture | `model_type` | hf step | vLLM sync | FSDP | TP |", "|---|---|---|---|---|---|"]
     for kind, s in SUPPORT.items():
-        cell = lambda reason: "refused" if reason else "yes"  # noqa: E731
-        rows.append(f"| {s.name} | `{kind}` | yes | {cell(s.vllm)} | yes | {cell(s.tp)} |")
+        rows.append(f"| {s.name} | `{kind}` | yes | yes | yes | {'yes¹' if s.experts else 'yes'} |")
+    rows.append("")
+    rows.append("¹ TP shards attention; the router and experts stay whole on each tp rank (FSDP shards them over dp). "
+                "`placement.expert_parallel` shards the experts themselves.")
     return "\n".join(rows)

@@ -7,6 +7,7 @@ import logging
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from tandem.config import ConfigError, config_reference, load_config
 from tandem.run.signals import Stopped
@@ -38,17 +39,35 @@ def _start(args, default: str) -> str:
 
 
 def _demo(args) -> int:
-    from tandem.demo import demo_model, tool_demo_model
     from tandem.trainer import train
 
     start = time.perf_counter()
     first = load_config(args.config, args.overrides, DEMO_DEFAULTS)  # refuse bad input before building anything
-    path = tool_demo_model() if first.data.task == "multiply" else demo_model()  # examples/tools.yaml's task
-    cfg = load_config(args.config, args.overrides, DEMO_DEFAULTS + [f"model.path={path}"])
+    path = _demo_model(first)
+    # the demo's model under the preset's (a path given there is trained instead), or in place of its demo:<name>
+    named = first.model.path.startswith("demo:")
+    cfg = load_config(args.config, args.overrides + [f"model.path={path}"] * named,
+                      DEMO_DEFAULTS + [f"model.path={path}"] * (not named))
     summary = train(cfg, resume=_start(args, "replace"))  # the demo is meant to be rerun: it replaces its last run
     summary["wall_seconds_including_bootstrap"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _demo_model(cfg) -> Path:
+    """The demo's model for the config: the tool demo's for its task (examples/tools.yaml), the one `model.path:
+    demo:<name>` names (examples/moe.yaml), else the dense arithmetic one."""
+    from tandem.demo import DEMO_MODELS, demo_model, tool_demo_model
+
+    if cfg.data.task == "multiply":
+        return tool_demo_model()
+    if cfg.model.path.startswith("demo:"):
+        name = cfg.model.path.removeprefix("demo:")
+        if name not in DEMO_MODELS:
+            raise ConfigError(f"model.path: {cfg.model.path!r} names no demo model; the demo builds "
+                              f"{', '.join('demo:' + n for n in DEMO_MODELS)} (or leave model.path empty)")
+        return demo_model(DEMO_MODELS[name]())
+    return demo_model()
 
 
 def _optional_config(args) -> None:

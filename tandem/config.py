@@ -67,7 +67,8 @@ class RunConfig(Section):
 class ModelConfig(Section):
     path: str = Field(
         "", description="A local Hugging Face causal-LM folder (config.json, safetensors, tokenizer). "
-        "`tandem demo` fills this with its own warm-started model.",
+        "`tandem demo` fills this with its own warm-started model: the tiny dense Qwen2, or the one a preset names "
+        "as `demo:<name>` (`demo:qwen3_moe`, examples/moe.yaml); only `tandem demo` reads such a name.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Training and sampling dtype. float32 on CPU (no fast bf16 there).",
@@ -279,6 +280,22 @@ class AlgoConfig(Section):
     )
     overlong_penalty: float = Field(1.0, ge=0.0, description="The penalty reached at the length limit.")
     mask_truncated: bool = Field(False, description="DAPO overlong filtering: truncated completions give no gradient.")
+    router_replay: bool = Field(
+        False, description="Mixture of experts: the trainer's forwards (old, reference, current policy) send each "
+        "token to the experts the sampler's routers chose for it (`Completion.routes`; recorded by the hf engine "
+        "only), with the gradient through the chosen experts' gate weights, so that a router flip between sampler "
+        "and trainer numerics does not change which experts a token's logprob comes from. Off by default: it "
+        "trains a routing the current router may no longer pick; `moe/route_mismatch` shows whether it is needed. "
+        "Rows without routes route on their own.",
+    )
+    router_aux_coef: float | None = Field(
+        None, ge=0.0, description="Mixture of experts: weight of the Switch load-balancing loss of each policy "
+        "forward, added to the policy loss and reported as `moe/aux_loss`. None = the model config's "
+        "`router_aux_loss_coef` (what the model was trained with, 0.001 for Qwen3-MoE and Mixtral); 0 = off. As in "
+        "transformers (and Megatron's default), it balances each forward's tokens, so it depends on how a batch is "
+        "cut into micro-batches and ranks: with it on, a sharded update differs from one process's by that term "
+        "(2.5e-4 relative in the loss on a tiny Qwen3-MoE under FSDP 2); the exactness tests set 0.",
+    )
 
 
 class OptimConfig(Section):
@@ -386,6 +403,14 @@ class PlacementConfig(Section):
     tensor_parallel: int = Field(
         1, ge=1, description="Training tensor-parallel degree inside the training workers (DTensor); the rest is "
         "FSDP2 data parallel, so workers (or train_workers) = dp x tensor_parallel.",
+    )
+    expert_parallel: int = Field(
+        1, ge=1, description="Training expert-parallel degree for a mixture of experts: each MoE layer's experts "
+        "are split over groups of this many training workers (tokens reach their experts by all-to-all), FSDP2 "
+        "sharding each expert over the workers/expert_parallel groups and everything else over all workers as "
+        "without it. It must divide the training workers and the model's experts, and replaces "
+        "`tensor_parallel` for the experts (set one of them). 1 = off: every worker runs every expert (FSDP "
+        "shards them), which is right until the experts' memory or compute is what limits.",
     )
     train_workers: int = Field(1, ge=1, description="split: trainer processes.")
     rollout_workers: int = Field(1, ge=1, description="split: sampler instances (data parallel; prompts are balanced by expected tokens).")
@@ -556,6 +581,14 @@ class Config(Section):
             field = "workers" if pl.mode == "colocate" else "train_workers"
             raise ConfigError(f"placement.tensor_parallel: {pl.tensor_parallel} does not divide placement.{field}="
                               f"{trainers}; training workers form a dp x tp mesh")
+        if trainers % pl.expert_parallel:
+            field = "workers" if pl.mode == "colocate" else "train_workers"
+            raise ConfigError(f"placement.expert_parallel: {pl.expert_parallel} does not divide placement.{field}="
+                              f"{trainers}; each group of expert_parallel training workers holds all the experts")
+        if pl.expert_parallel > 1 and pl.tensor_parallel > 1:
+            raise ConfigError(f"placement.expert_parallel: {pl.expert_parallel} with placement.tensor_parallel: "
+                              f"{pl.tensor_parallel}: expert parallelism replaces tensor parallelism for the experts "
+                              "and the two are not combined yet; set one of them to 1")
         if pl.schedule == "async" and pl.mode != "split":
             raise ConfigError("placement.schedule: async needs placement.mode: split (colocated workers time-slice "
                               "one device: there is nothing to overlap); use schedule: sync or mode: split")

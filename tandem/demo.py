@@ -1,5 +1,5 @@
-"""Builds the demos' own models (no downloads): tiny tokenizers and Qwen2s, warm-started on the arithmetic task or
-on the calculator-tool multiplication task, cached."""
+"""Builds the demos' own models (no downloads): tiny tokenizers and Qwen2s (or a Qwen3-MoE), warm-started on the
+arithmetic task or on the calculator-tool multiplication task, cached."""
 from __future__ import annotations
 
 import hashlib
@@ -50,6 +50,22 @@ class DemoModelSpec(DemoShape):
     version: int = 2  # bump when the builder's code changes what it produces
 
 
+@dataclass(frozen=True)
+class MoEDemoSpec(DemoModelSpec):
+    """The demo's model as a tiny Qwen3-MoE (`examples/moe.yaml`): each layer's MLP is `experts` experts of which
+    each token uses `experts_per_token`, as many active MLP parameters per token as the dense demo's."""
+
+    experts: int = 4
+    experts_per_token: int = 2
+    # a multiple of 32: vLLM-CPU's MoE kernel pads other sizes, and its weight reload cannot write padded experts
+    expert_intermediate_size: int = 256
+    head_dim: int = 32  # Qwen3 sets it apart from hidden / heads; vLLM-CPU's attention wants >= 32
+
+
+# `model.path: demo:<name>` in a preset asks `tandem demo` for one of its models other than the default dense one
+DEMO_MODELS = {"qwen3_moe": MoEDemoSpec}
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem")
 
@@ -73,6 +89,8 @@ def build_tokenizer(texts: list[str], vocab_size: int):
 def build_model(spec: DemoShape, tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    if isinstance(spec, MoEDemoSpec):
+        return _build_moe(spec, tokenizer)
     cfg = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
@@ -82,6 +100,21 @@ def build_model(spec: DemoShape, tokenizer):
     )
     torch.manual_seed(spec.seed)
     return Qwen2ForCausalLM(cfg)
+
+
+def _build_moe(spec: MoEDemoSpec, tokenizer):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
+        num_experts=spec.experts, num_experts_per_tok=spec.experts_per_token,
+        moe_intermediate_size=spec.expert_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True,
+        max_position_embeddings=128, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen3MoeForCausalLM(cfg)
 
 
 def greedy_answers(model, tokenizer, rows: list[dict]) -> list[str]:
@@ -155,7 +188,8 @@ def demo_model(spec: DemoModelSpec = DemoModelSpec(), root: Path | None = None) 
         acc, agree, steps = warm_start(model, tokenizer, spec)
         return model, tokenizer, {"warm_start_accuracy": acc, "teacher_agreement": agree, "warm_start_steps": steps}
 
-    return cached_model("demo", spec, build, root, lambda f: f"warm start {100 * f['warm_start_accuracy']:.1f}% in "
+    name = "demo-moe" if isinstance(spec, MoEDemoSpec) else "demo"
+    return cached_model(name, spec, build, root, lambda f: f"warm start {100 * f['warm_start_accuracy']:.1f}% in "
                                                          f"{f['warm_start_steps']} steps")
 
 

@@ -46,6 +46,10 @@ class Completion:
     # Multi-turn (tandem.rollout.multiturn): 1 per completion token the policy sampled, 0 per token the environment
     # appended (a tool's output; its `logprobs` entry is 0.0). None: every token was sampled.
     loss_mask: list[int] | None = None
+    # Mixture of experts (hf engine): [positions, MoE layers, top_k] the experts each router sent each position of
+    # prompt_ids + completion_ids to, for every position but the last (whose output nothing uses), in
+    # `tandem.moe.route_dtype`; positions past its end (an environment's last tokens) have none. None: not recorded.
+    routes: torch.Tensor | None = None
 
     @property
     def sampled_tokens(self) -> int:

@@ -1,11 +1,13 @@
 """The embedded rollout engine: batched sampling with a KV cache on any Hugging Face causal LM, no extra dependency."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterable
 
 import torch
 
+from tandem import moe
 from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
 from tandem.rollout import llama_decode
@@ -69,6 +71,8 @@ class HFEngine:
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.seed = seed
+        # the routes of each sampled token, for the trainer's router replay and route mismatch (tandem.moe)
+        self.routing = moe.Routing(self.model) if moe.routers(self.model) else None
         self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
         self._params = dict(self.model.named_parameters())
         for p in self._params.values():
@@ -93,31 +97,34 @@ class HFEngine:
         n, dev = sampling.n, self.device
         seeds = sampling.seeds or (self.seed if sampling.seed is None else sampling.seed,)
         gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
-        logits, next_pos, step = self._prefill(prompts, n, sampling.max_new_tokens)
-        rows = [p for p in prompts for _ in range(n)]
-        B = len(rows)
-        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))),
-                                dtype=torch.long, device=dev)
-        finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        lengths = torch.zeros(B, dtype=torch.long, device=dev)
-        tokens: list[torch.Tensor] = []
-        logps: list[torch.Tensor] = []
-        texts: list[str | None] = [None] * B
-        for _ in range(sampling.max_new_tokens):
-            tok, lp = _draw(logits.float(), sampling, gens, n)
-            tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
-            tokens.append(tok)
-            logps.append(lp)
-            lengths += (~finished).long()
-            hit = torch.isin(tok, stop_ids) & ~finished
-            if sampling.stop:
-                hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts).to(dev)
-            finished |= hit
-            if bool(finished.all()):
-                break
-            logits = step(tok, next_pos)
-            next_pos = next_pos + 1
-        return self._completions(rows, n, tokens, logps, lengths.tolist(), finished.tolist(), texts)
+        with self._routes_record() as record:  # the experts each position went to (MoE models only)
+            logits, next_pos, step = self._prefill(prompts, n, sampling.max_new_tokens)
+            rows = [p for p in prompts for _ in range(n)]
+            B = len(rows)
+            stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))
+            stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
+            finished = torch.zeros(B, dtype=torch.bool, device=dev)
+            lengths = torch.zeros(B, dtype=torch.long, device=dev)
+            tokens: list[torch.Tensor] = []
+            logps: list[torch.Tensor] = []
+            texts: list[str | None] = [None] * B
+            for _ in range(sampling.max_new_tokens):
+                tok, lp = _draw(logits.float(), sampling, gens, n)
+                tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
+                tokens.append(tok)
+                logps.append(lp)
+                lengths += (~finished).long()
+                hit = torch.isin(tok, stop_ids) & ~finished
+                if sampling.stop:
+                    hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts).to(dev)
+                finished |= hit
+                if bool(finished.all()):
+                    break
+                logits = step(tok, next_pos)
+                next_pos = next_pos + 1
+        routes = None if record is None else moe.sampled_routes(record.forwards(), [len(p) for p in prompts], n,
+                                                                lengths.tolist())
+        return self._completions(rows, n, tokens, logps, lengths.tolist(), finished.tolist(), texts, routes)
 
     def _prefill(self, prompts: list[list[int]], n: int, max_new_tokens: int):
         """Each prompt once (a group's n rows share it); the first logits of every row, the rows' next positions,
@@ -146,6 +153,13 @@ class HFEngine:
 
         return logits, next_pos, step
 
+    def _routes_record(self):
+        """A `moe.Routing.capture` block keeping only the routers' choices, or a block yielding None for a dense
+        model (nothing to record)."""
+        if self.routing is None:
+            return contextlib.nullcontext(None)
+        return self.routing.capture(compact=True)
+
     def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and attention mask on the engine's device, each row padded on the left to the longest."""
         plen = max(len(p) for p in rows)
@@ -157,7 +171,8 @@ class HFEngine:
         return ids.to(self.device), attn.to(self.device)
 
     def _completions(self, rows: list[list[int]], n: int, tokens: list[torch.Tensor], logps: list[torch.Tensor],
-                     lengths: list[int], finished: list[bool], texts: list[str | None]) -> list[Completion]:
+                     lengths: list[int], finished: list[bool], texts: list[str | None],
+                     routes: list[torch.Tensor] | None = None) -> list[Completion]:
         """One Completion per row from the decode loop's per-step tokens and logprobs, cut to each row's length."""
         tok_mat = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in rows]
         lp_mat = torch.stack(logps, 1).tolist() if logps else [[] for _ in rows]
@@ -169,6 +184,7 @@ class HFEngine:
             results.append(Completion(
                 prompt_ids=list(row), completion_ids=cids, logprobs=lp_mat[i][:L], text=text,
                 finish_reason="stop" if finished[i] else "length", prompt_index=i // n,
+                routes=None if routes is None else routes[i],
             ))
         return results
 

@@ -35,6 +35,8 @@ class _Conversation:
     tool_errors: list[str] = field(default_factory=list)
     env_reward: float | None = None
     finish: str = ""  # "" while it goes on; then "stop" or "length"
+    # MoE: the last turn's routes (`Completion.routes`), which cover every position before its last sampled token
+    routes: object = None
 
     def append(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.ids += ids
@@ -99,6 +101,7 @@ def converse(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, ma
 def _take_turn(c: _Conversation, out: Completion, tokenizer, eos: set[int], limits: TurnLimits) -> None:
     """Append the sampled turn; let the environment answer it; decide whether the conversation goes on."""
     c.append(list(out.completion_ids), list(out.logprobs))
+    c.routes = out.routes
     c.turns += 1
     result = c.env.step(out.text)  # also on the last turn: an environment may reward the final answer
     if result.reward is not None:
@@ -132,7 +135,7 @@ def _completion(c: _Conversation, tokenizer) -> Completion:
         text=tokenizer.decode(c.ids, skip_special_tokens=True), finish_reason=c.finish, prompt_index=c.prompt_index,
         meta={"turns": c.turns, "tool_calls": c.tool_calls, "tool_errors": c.tool_errors,
               "env_reward": c.env_reward},
-        loss_mask=c.mask)
+        loss_mask=c.mask, routes=c.routes)
 
 
 def conversation_stats(completions: list[Completion]) -> dict[str, float]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from tandem import moe
 from tandem.rollout.base import Completion, Samples
 
 
@@ -55,6 +56,10 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None  # [b, T], filled before updates when mu > 1 or mini_batches > 1
     ref_logprobs: torch.Tensor | None = None  # [b, T], filled when kl_coef > 0
     shared: SharedPrompts | None = None  # set when rows repeat a prompt: the prompt-once layout of the same rows
+    # Mixture of experts, where the sampler recorded them (`Completion.routes`): the experts each position of
+    # input_ids went to [b, L, MoE layers, top_k], and where that is known [b, L] bool (`tandem.moe.batch_routes`)
+    routes: torch.Tensor | None = None
+    routed: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -138,6 +143,10 @@ def collate(completions: list[Completion], rows: list[int], pad_id: int, share_p
                        dtype=torch.float32).view(len(rows), T)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     mb = MicroBatch(rows, ids, attn, pos, targets, mask.float(), slp)
+    routes = [completions[i].routes for i in rows]
+    shape = next((r.shape[1:] for r in routes if r is not None), None)
+    if shape is not None:
+        mb.routes, mb.routed = moe.batch_routes(routes, list(map(len, seqs)), L, *shape)
     if share_prompts:
         mb.shared = _shared_prompts(prompts, outs, T, pad_id)
     return mb

@@ -85,13 +85,14 @@ class _RankHeads:
 
 
 # One process group per rank set, made once and reused by later meshes (a communicator is not free).
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 
-def _group(ranks: list[int]) -> dist.ProcessGroup:
-    key = tuple(ranks)
+def _group(ranks: list[int], tag: str = "") -> dist.ProcessGroup:
+    """The process group over `ranks` (a `tag` makes another one over the same ranks, for traffic of its own)."""
+    key = (tag, *ranks)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+        _GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
     return _GROUPS[key]
 
 
@@ -180,17 +181,24 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
     return TPState(orders, tuple(partial), tp_mesh.get_group())
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh | None) -> TPState:
+def parallelize(model: nn.Module, mesh: DeviceMesh | None, expert_parallel: int = 1) -> TPState:
     """TP over "tp" in each decoder layer, then FSDP2 (ZeRO-3) per layer and at the root over "dp". In place;
     returns what TP leaves to the caller (fused weights' row orders, parameters with partial gradients).
 
     Embeddings, norms and the LM head stay whole on every tp rank (so tied embeddings stay tied and the logits
     need no gather); FSDP shards them over dp like everything else. Parameters compute in their own dtype
     (`model.dtype`): FSDP's mixed precision (bf16 compute over fp32 parameters) is not offered yet.
+
+    `expert_parallel` E > 1 (tp 1): each MoE layer's experts split over EP groups of E adjacent dp ranks, tokens
+    exchanged by all-to-all (`tandem.train.expert_parallel`), and FSDP over the dp / E ranks holding the same
+    experts; everything else FSDP over all dp ranks as without EP.
     """
     if mesh is None or mesh.size() == 1:
         return TPState()
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    if expert_parallel > 1 and tp > 1:
+        raise ValueError(f"placement.expert_parallel: {expert_parallel} with placement.tensor_parallel: {tp} is not "
+                         "supported; use one of them")
     state = _tensor_parallel(model, mesh["tp"]) if tp > 1 else TPState()
     if dp > 1 or tp > 1:
         # With tp > 1 and dp == 1 FSDP still wraps (over a mesh of one): it costs nothing and keeps one code path
@@ -198,6 +206,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None) -> TPState:
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = mesh["dp"]
+        if expert_parallel > 1:
+            from tandem.train.expert_parallel import expert_mesh, shard_experts
+
+            emesh = expert_mesh(dp_mesh, expert_parallel, _group)
+            for experts in shard_experts(model, emesh):  # their own FSDP group, before their layer takes the rest
+                fully_shard(experts, mesh=emesh["edp"], reshard_after_forward=True)
         for layer in decoder_layers(model):
             # ZeRO-3: a layer's full weights live only while it runs (one more all-gather in backward for memory).
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)

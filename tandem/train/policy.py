@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from tandem import moe
 from tandem.util import residency
 from tandem.algo import (
     AGGREGATIONS,
@@ -77,6 +78,36 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     return _logprobs(out.logits[:, :-1, :], mb.targets, mb.mask, temperature, with_entropy, entropy_grad)
 
 
+def routed_logprobs(model, routing: "moe.Routing | None", mb: MicroBatch, temperature: float, replay: bool = False,
+                    logits: bool = False, **kw) -> tuple[torch.Tensor, torch.Tensor | None, "moe.Record | None"]:
+    """`token_logprobs` with the routers watched (an MoE model's `routing`; None: a dense model, no record): the
+    record of the forward, and with `replay` the rows' recorded routes used where `mb.routed` says. `logits`: keep
+    the router logits (the load-balancing loss needs them). Always the full forward: the record's rows are the
+    micro-batch's [b, L] positions."""
+    if routing is None:
+        return (*token_logprobs(model, mb, temperature, **kw), None)
+    kw["share_prompts"] = False
+    given = replay and mb.routes is not None
+    routes = mb.routes.flatten(0, 1) if given else None
+    with routing.capture(routes, mb.routed.flatten() if given else None, logits=logits) as record:
+        logp, entropy = token_logprobs(model, mb, temperature, **kw)
+    return logp, entropy, record
+
+
+def route_stats(mb: MicroBatch, record: "moe.Record", stats: StepStats, num_experts: int) -> None:
+    """A forward's routing statistics into `stats`: how many (position, layer) pairs the trainer's routers chose
+    differently from the sampler's (over the positions with sampler routes; under replay too: what replay
+    overrides), and each expert's assignments over the real tokens (prompt and completion)."""
+    natural = record.last("natural")  # [b * L, layers, k]
+    routed = torch.zeros(natural.shape[0], dtype=torch.bool, device=natural.device)
+    mismatched = 0.0
+    if mb.routes is not None:
+        routed = mb.routed.flatten().to(natural.device)
+        mismatched = float(moe.differs(natural[routed], mb.routes.flatten(0, 1).to(natural.device)[routed]).sum())
+    stats.add("moe/route_mismatch", mismatched, float(routed.sum()) * natural.shape[1])
+    stats.tally("moe/expert_counts", moe.expert_counts(record.last("used"), mb.attention_mask.flatten(), num_experts))
+
+
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float, with_entropy: bool,
               entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = logits.float()
@@ -141,8 +172,10 @@ class Policy:
 
     def __init__(self, model_path: str, dtype: str, trust_remote_code: bool, algo: AlgoConfig, optim: OptimConfig,
                  total_optimizer_steps: int, temperature: float, max_completion_tokens: int, mesh=None,
-                 device: str | None = None, old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED, lora: LoraConfig | None = None, seed: int = 0):
-        """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping).
+                 device: str | None = None, old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED,
+                 lora: LoraConfig | None = None, seed: int = 0, expert_parallel: int = 1):
+        """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping);
+        `expert_parallel`: EP groups of that many dp ranks share each MoE layer's experts (`parallel.parallelize`).
 
         With a mesh, each dp rank trains on its own rows of every mini-batch (tp peers get the same rows), the
         normalizers and the stats are reduced over dp, and gradients are summed over dp, so the update equals the
@@ -175,14 +208,11 @@ class Policy:
         self.model.train()
         # see token_logprobs: FSDP's hooks want one forward per backward
         self.share_prompts = self.mesh is None and shares_prompts(self.model)
-        self.tp = parallelize(self.model, self.mesh)  # fused weights' row orders, the partial gradients to sum
-        self.ref = None
+        self.expert_parallel = expert_parallel if self.mesh is not None else 1
+        self.tp = parallelize(self.model, self.mesh, self.expert_parallel)  # fused weights' row orders, partial grads
         self.uses_ref = algo.kl_coef > 0
-        if self.uses_ref and self.lora is None:  # a model's memory and a forward per step: only when used
-            self.ref = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
-            if device is not None:
-                self.ref.to(device)
-            parallelize(self.ref, self.mesh)
+        self.ref = self._reference(model_path, dtype, trust_remote_code, device)
+        self._watch_routers(algo)
         self.device = next(self.model.parameters()).device
         for p in self._tensors("params") + self._tensors("ref"):
             residency.ensure_resizable(p)  # offload frees storages in place; a memory-mapped one cannot be
@@ -197,6 +227,31 @@ class Policy:
         self.offloader = Offloader(self.device)
         for group in ("params", "grads", "optim", "ref"):
             self.offloader.register(group, lambda g=group: self._tensors(g))
+
+    def _reference(self, model_path: str, dtype: str, trust_remote_code: bool, device: str | None):
+        """The frozen reference model, sharded as the policy; None without KL (a model's memory and a forward per
+        step: only when used) or with LoRA (the policy with its adapters off is the reference)."""
+        from tandem.train.parallel import parallelize
+
+        if not self.uses_ref or self.lora is not None:
+            return None
+        ref = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
+        if device is not None:
+            ref.to(device)
+        parallelize(ref, self.mesh, self.expert_parallel)
+        return ref
+
+    def _watch_routers(self, algo: AlgoConfig) -> None:
+        """An MoE's router hooks (`tandem.moe.Routing`) on the policy and the reference, and the load-balancing
+        loss's weight: `algo.router_aux_coef`, or the model config's where that is None. Dense: none of it."""
+        self.routing = moe.Routing(self.model) if moe.routers(self.model) else None
+        self.ref_routing = self.routing  # LoRA: the reference is the same model, adapters off
+        if self.ref is not None:
+            self.ref_routing = moe.Routing(self.ref) if moe.routers(self.ref) else None
+        coef = algo.router_aux_coef
+        if coef is None:
+            coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
+        self.aux_coef = coef if self.routing is not None else 0.0
 
     # ------------------------------------------------------------------ data parallel layout
 
@@ -291,9 +346,10 @@ class Policy:
             if self.old_logprobs is OldLogprobs.SAMPLER:
                 mb.old_logprobs = mb.sampler_logprobs  # first-pass stats come from the update's first forward
             elif self.old_logprobs is OldLogprobs.RECOMPUTED:
-                mb.old_logprobs, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=True,
-                                                      share_prompts=self.share_prompts)
-                self._first_pass_stats(mb, mb.old_logprobs, ent, stats)
+                mb.old_logprobs, ent, record = routed_logprobs(
+                    self.model, self.routing, mb, self.temperature, self.algo.router_replay, with_entropy=True,
+                    share_prompts=self.share_prompts)
+                self._first_pass_stats(mb, mb.old_logprobs, ent, stats, record)
             if self.uses_ref:
                 mb.ref_logprobs = self._ref_logprobs(mb)
             if penalties is not None:
@@ -307,14 +363,20 @@ class Policy:
                             first_pass_done=self.old_logprobs is OldLogprobs.RECOMPUTED)
 
     def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        replay = self.algo.router_replay  # the reference on the same routes: its KL compares weights, not routings
         if self.lora is None:
-            return token_logprobs(self.ref, mb, self.temperature, share_prompts=self.share_prompts)[0]
+            return routed_logprobs(self.ref, self.ref_routing, mb, self.temperature, replay,
+                                   share_prompts=self.share_prompts)[0]
         with self.lora.disable_adapter():  # the base model is the reference: its weights, no adapters
-            return token_logprobs(self.model, mb, self.temperature, share_prompts=self.share_prompts)[0]
+            return routed_logprobs(self.model, self.routing, mb, self.temperature, replay,
+                                   share_prompts=self.share_prompts)[0]
 
-    @staticmethod
-    def _first_pass_stats(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, stats: StepStats) -> None:
-        """Stats of the policy that sampled the batch: entropy, and trainer-vs-sampler logprob mismatch."""
+    def _first_pass_stats(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, stats: StepStats,
+                          record: "moe.Record | None") -> None:
+        """Stats of the policy that sampled the batch: entropy, trainer-vs-sampler logprob mismatch, and for an MoE
+        its routing (`route_stats`)."""
+        if record is not None:
+            route_stats(mb, record, stats, self.routing.num_experts)
         diff = (logp.detach() - mb.sampler_logprobs).abs() * mb.mask
         stats.add("entropy", float(entropy.sum()), mb.tokens)
         stats.add("logprob_diff", float(diff.sum()), mb.tokens)
@@ -362,14 +424,20 @@ class Policy:
         """One micro-batch's forward and backward: its share of its mini-batch's loss (returned)."""
         a = self.algo
         mb.to(self.device)
-        logp, ent = token_logprobs(self.model, mb, self.temperature, with_entropy=first_pass or a.entropy_coef > 0,
-                                   entropy_grad=a.entropy_coef > 0, share_prompts=self.share_prompts)
+        logp, ent, record = routed_logprobs(
+            self.model, self.routing, mb, self.temperature, a.router_replay, logits=self.aux_coef > 0,
+            with_entropy=first_pass or a.entropy_coef > 0, entropy_grad=a.entropy_coef > 0,
+            share_prompts=self.share_prompts)
         if first_pass:
-            self._first_pass_stats(mb, logp, ent.detach(), stats)
+            self._first_pass_stats(mb, logp, ent.detach(), stats, record)
         loss_tok, metrics = token_loss(self.loss_spec, logp, mb.advantages(advantages), mb.mask,
                                        old_logp=mb.old_logprobs, sampler_logp=mb.sampler_logprobs,
                                        ref_logp=mb.ref_logprobs, entropy=ent)
         loss = AGGREGATIONS[a.loss_agg](loss_tok, mb.mask, total_tokens, total_seqs, self.max_completion_tokens)
+        if self.aux_coef > 0:  # each micro-batch's share of the mini-batch's tokens, as token_mean weighs it
+            aux = moe.load_balancing_loss(record, mb.attention_mask, self.routing.num_experts)
+            loss = loss + self.aux_coef * aux * (mb.tokens / max(total_tokens, 1))
+            stats.add("moe/aux_loss", float(aux.detach()) * mb.tokens, mb.tokens)
         # FSDP averages gradients over dp, but each rank's loss is already its share of the global loss (global
         # normalizers): scale by dp so they add up. (Its divide factor would do the same via PREMUL_SUM, which gloo
         # lacks.)
@@ -388,6 +456,10 @@ class Policy:
                "logprob_diff": stats.mean("logprob_diff"), "logprob_diff_max": stats.maxima.get("logprob_diff", 0.0)}
         out.update({_REPORTED_AS.get(name, name): stats.mean(name) for name in stats.sums
                     if name not in ("entropy", "logprob_diff")})
+        if "moe/route_mismatch" in out and not stats.counts["moe/route_mismatch"]:
+            del out["moe/route_mismatch"]  # no row came with routes (a vLLM sampler): nothing to compare
+        if "moe/expert_counts" in stats.tallies:
+            out.update(moe.load_metrics(stats.tallies["moe/expert_counts"], self.routing.top_k))
         return out
 
     def _check_sampler(self, stats: StepStats, check: Callable[[float, float], None]) -> None:
@@ -407,8 +479,9 @@ class Policy:
     def _layout(self) -> dict[str, int]:
         if self.mesh is None:
             return {"dp": 1, "tp": 1, "dp_rank": 0, "tp_rank": 0}
+        ep = {"ep": self.expert_parallel} if self.expert_parallel > 1 else {}  # experts' optimizer shards
         return {"dp": self.dp_size, "tp": self.mesh["tp"].size(), "dp_rank": self.dp_rank,
-                "tp_rank": self.mesh["tp"].get_local_rank()}
+                "tp_rank": self.mesh["tp"].get_local_rank(), **ep}
 
     def state_dict(self) -> dict:
         """Optimizer and schedule state of this rank: with a mesh, its own shards (plain tensors, no collective).
@@ -425,8 +498,8 @@ class Policy:
         if saved != now:
             raise ValueError(f"optimizer state was saved with layout {saved}, this rank has {now}: resuming needs the "
                              "same number of training workers (placement.workers, or placement.train_workers when "
-                             "split) and placement.tensor_parallel, each rank its own file (the model weights load at "
-                             "any layout; only the optimizer's shards do not)")
+                             "split), placement.tensor_parallel and placement.expert_parallel, each rank its own "
+                             "file (the model weights load at any layout; only the optimizer's shards do not)")
         opt = dict(state["optimizer"])
         if self.mesh is not None:
             from torch.distributed.tensor import DTensor

@@ -48,7 +48,8 @@ class TrainWorker:
         self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
                              cfg.rollout.temperature, cfg.max_completion_tokens, mesh=self.mesh,
                              device=None if self.ctx.device == "cpu" else self.ctx.device,
-                             old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed)
+                             old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed,
+                             expert_parallel=cfg.placement.expert_parallel)
         # What the engines load: vLLM (in process or a server) takes the checkpoint's tensors by the checkpoint's
         # names (an MoE's experts one by one, cut from the trainer's fused ones); the hf engine is the trainer's own
         # transformers class and takes its names as they are.

@@ -90,6 +90,13 @@ def test_bad_value_names_field_and_value():
     (["placement.backend=ray", "placement.workers=3", "placement.tensor_parallel=2"],
      r"placement\.tensor_parallel: 2 does not divide placement\.workers=3"),
     (["placement.schedule=async"], r"placement\.schedule: async needs placement\.mode: split"),
+    (["placement.backend=ray", "placement.workers=3", "placement.expert_parallel=2"],
+     r"placement\.expert_parallel: 2 does not divide placement\.workers=3"),
+    (["placement.backend=ray", "placement.mode=split", "placement.train_workers=2", "placement.expert_parallel=4"],
+     r"placement\.expert_parallel: 4 does not divide placement\.train_workers=2"),
+    (["placement.backend=ray", "placement.workers=4", "placement.expert_parallel=2", "placement.tensor_parallel=2"],
+     r"placement\.expert_parallel: 2 with placement\.tensor_parallel: 2: expert parallelism replaces tensor "
+     r"parallelism for the experts"),
 ])
 def test_impossible_arithmetic_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
