@@ -285,8 +285,8 @@ class AlgoConfig(Section):
         "token to the experts the sampler's routers chose for it (`Completion.routes`; recorded by the hf engine "
         "only), with the gradient through the chosen experts' gate weights, so that a router flip between sampler "
         "and trainer numerics does not change which experts a token's logprob comes from. Off by default: it "
-        "trains a routing the current router may no longer pick; `moe/route_mismatch` shows whether it is needed. "
-        "Rows without routes route on their own.",
+        "trains a routing the current router may no longer pick; `moe/route_mismatch` (without it) shows whether it is "
+        "needed, `moe/route_mismatch_unreplayed` (with it) what it overrides. Rows without routes route on their own.",
     )
     router_aux_coef: float | None = Field(
         None, ge=0.0, description="Mixture of experts: weight of the Switch load-balancing loss of each policy "

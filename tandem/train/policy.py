@@ -95,17 +95,20 @@ def routed_logprobs(model, routing: "moe.Routing | None", mb: MicroBatch, temper
 
 
 def route_stats(mb: MicroBatch, record: "moe.Record", stats: StepStats, num_experts: int) -> None:
-    """A forward's routing statistics into `stats`: how many (position, layer) pairs the trainer's routers chose
-    differently from the sampler's (over the positions with sampler routes; under replay too: what replay
-    overrides), and each expert's assignments over the real tokens (prompt and completion)."""
-    natural = record.last("natural")  # [b * L, layers, k]
-    routed = torch.zeros(natural.shape[0], dtype=torch.bool, device=natural.device)
-    mismatched = 0.0
+    """A forward's routing statistics into `stats`, over the positions with sampler routes: how many (position,
+    layer) pairs the forward sent to other experts than the sampler did (`moe/route_mismatch`: 0 under replay, by
+    construction), and how many the trainer's routers would have (`moe/route_mismatch_unreplayed`: what replay
+    overrode; equal to the former without replay); and each expert's assignments over the real tokens."""
+    used, natural = record.last("used"), record.last("natural")  # [b * L, layers, k]
+    differ, pairs = (0.0, 0.0), 0.0  # added even so: every dp rank reduces the same names (a rank may have no rows)
     if mb.routes is not None:
-        routed = mb.routed.flatten().to(natural.device)
-        mismatched = float(moe.differs(natural[routed], mb.routes.flatten(0, 1).to(natural.device)[routed]).sum())
-    stats.add("moe/route_mismatch", mismatched, float(routed.sum()) * natural.shape[1])
-    stats.tally("moe/expert_counts", moe.expert_counts(record.last("used"), mb.attention_mask.flatten(), num_experts))
+        routed = mb.routed.flatten().to(used.device)
+        given = mb.routes.flatten(0, 1).to(used.device)[routed]
+        differ = tuple(float(moe.differs(r[routed], given).sum()) for r in (used, natural))
+        pairs = float(routed.sum()) * used.shape[1]
+    stats.add("moe/route_mismatch", differ[0], pairs)
+    stats.add("moe/route_mismatch_unreplayed", differ[1], pairs)
+    stats.tally("moe/expert_counts", moe.expert_counts(used, mb.attention_mask.flatten(), num_experts))
 
 
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float, with_entropy: bool,
@@ -456,6 +459,8 @@ class Policy:
                "logprob_diff": stats.mean("logprob_diff"), "logprob_diff_max": stats.maxima.get("logprob_diff", 0.0)}
         out.update({_REPORTED_AS.get(name, name): stats.mean(name) for name in stats.sums
                     if name not in ("entropy", "logprob_diff")})
+        if not self.algo.router_replay or not stats.counts["moe/route_mismatch"]:
+            out.pop("moe/route_mismatch_unreplayed", None)  # without replay, the same as moe/route_mismatch
         if "moe/route_mismatch" in out and not stats.counts["moe/route_mismatch"]:
             del out["moe/route_mismatch"]  # no row came with routes (a vLLM sampler): nothing to compare
         if "moe/expert_counts" in stats.tallies:
