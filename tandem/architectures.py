@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 # matches full fine-tuning best), never the embeddings or the LM head.
 _DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # an MoE's experts are fused 3-D tensors, not linear layers
+# ... which PEFT adapts as parameters (its `target_parameters`): one rank-r adapter per expert of each
+_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class Support:
 
     name: str  # as users know it
     lora: tuple[str, ...] = _DENSE  # lora.target_modules when the config names none
+    lora_parameters: tuple[str, ...] = ()  # lora.target_parameters then (an MoE's fused experts)
     experts: bool = False  # a mixture of experts (the sync cuts its fused experts; see has_experts)
 
 
@@ -38,8 +41,8 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "gemma": Support("Gemma"),
     "mistral": Support("Mistral"),
     "phi3": Support("Phi-3 / Phi-4", lora=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-    "qwen3_moe": Support("Qwen3-MoE", lora=_ATTENTION, experts=True),
-    "mixtral": Support("Mixtral", lora=_ATTENTION, experts=True),
+    "qwen3_moe": Support("Qwen3-MoE", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
+    "mixtral": Support("Mixtral", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
 }
 
 
@@ -48,6 +51,12 @@ def lora_targets(kind: str) -> list[str] | str:
     head) outside the table."""
     known = SUPPORT.get(kind)
     return list(known.lora) if known is not None else "all-linear"
+
+
+def lora_parameter_targets(kind: str) -> list[str]:
+    """The parameters LoRA adapts by default in a `model_type` beside its modules: an MoE's fused experts."""
+    known = SUPPORT.get(kind)
+    return list(known.lora_parameters) if known is not None else []
 
 
 def has_experts(path: str) -> bool:

@@ -344,8 +344,15 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(
         default_factory=list, description="Module names (a suffix of the full name, PEFT's rule) that get adapters. "
         "Empty = the architecture's attention and MLP projections (tandem.architectures.SUPPORT lists them; "
-        "PEFT's `all-linear` for an architecture outside it). A name that matches no module is refused before the "
-        "model loads.")
+        "PEFT's `all-linear` for an architecture outside it) when lora.target_parameters is empty too. A name that "
+        "matches no module is refused before the model loads.")
+    target_parameters: list[str] = Field(
+        default_factory=list, description="Parameters (a suffix of the full name) that get adapters as parameters, "
+        "PEFT's `target_parameters`: an MoE's fused 3-D experts (`mlp.experts.gate_up_proj`, [experts, out, in]), "
+        "which are no linear layers, each expert its own rank-r adapter. With both lists empty, the architecture's "
+        "defaults: a Qwen3-MoE's or Mixtral's experts beside its attention; name lora.target_modules alone to leave "
+        "the experts unadapted. Needs lora.dropout: 0 (PEFT has no dropout for them) and placement.expert_parallel: "
+        "1 (the adapters see each layer's experts whole).")
 
 
 class RewardSpec(Section):
@@ -614,6 +621,12 @@ class Config(Section):
             raise ConfigError(f"lora.enabled with placement.tensor_parallel: {pl.tensor_parallel}: tandem's TP plan "
                               "shards plain linear layers, not LoRA's wrapped ones; use placement.tensor_parallel: 1 "
                               "(FSDP shards the base weights; the adapters' state is small)")
+        lora_on_experts = self.lora.target_parameters or not self.lora.target_modules  # see LoraConfig
+        if self.lora.enabled and pl.expert_parallel > 1 and lora_on_experts:
+            raise ConfigError(f"lora.enabled with placement.expert_parallel: {pl.expert_parallel} adapts the experts "
+                              "(lora.target_parameters, or the architecture's default), which PEFT's adapters need "
+                              "whole on every rank; name the attention alone (lora.target_modules: [q_proj, k_proj, "
+                              "v_proj, o_proj], lora.target_parameters: []), or set placement.expert_parallel: 1")
         if self.lora.enabled and r.engine == "vllm" and self.lora.rank > 512:
             raise ConfigError(f"lora.rank: {self.lora.rank} is above 512, the largest LoRA rank vLLM serves; use a "
                               "smaller rank, or rollout.engine: hf")

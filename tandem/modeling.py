@@ -147,6 +147,16 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: 
     return model
 
 
+def weightless_model(path: str | Path, trust_remote_code: bool = False):
+    """The model in `path` built from its config.json on the meta device: its names and shapes, no memory, no
+    weights read (what checks made before any model loads look at)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Every token that ends a completion: the generation config's EOS (may be a list) and the tokenizer's."""
     ids: set[int] = set()

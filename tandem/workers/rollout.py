@@ -11,9 +11,12 @@ from typing import Callable
 
 import torch
 
-from tandem.architectures import has_experts
+from tandem.architectures import has_experts, model_type
 from tandem.config import Config
+from tandem.modeling import weightless_model
 from tandem.rollout import Completion, Rollout, Samples, Sampling, make_engine
+from tandem.sync.convert import ToCheckpoint
+from tandem.train.lora import targets
 from tandem.workers.group import WorkerContext
 
 
@@ -77,8 +80,11 @@ class RolloutWorker:
         # other engines get it merged into the base weights of the adapted modules (see set_sync_plan). So does
         # vLLM on CPU for a mixture of experts: its LoRA runs the experts through Triton kernels, which have no CPU
         # backend (seen: "module 'triton.language' has no attribute 'float32'" at the first generate).
+        # And adapters on the experts themselves (lora.target_parameters) are always merged: tandem sends them in
+        # PEFT's stacked layout, which is not the per-expert one vLLM's LoRA loads.
         moe_on_cpu = self.ctx.device == "cpu" and has_experts(cfg.model.path)
-        self._serves_adapters = cfg.lora.enabled and name == "vllm" and not moe_on_cpu
+        on_experts = cfg.lora.enabled and bool(targets(cfg.lora, model_type(cfg.model.path))[1])
+        self._serves_adapters = cfg.lora.enabled and name == "vllm" and not (moe_on_cpu or on_experts)
         if self._serves_adapters:
             kwargs["lora_rank"] = cfg.lora.rank
         self.engine = make_engine(name, **kwargs)
@@ -128,15 +134,15 @@ class RolloutWorker:
         planned = {n: (shape, dst) for n, (shape, _, dst) in plan.params.items()}
         expected, aliases = self.engine.manifest(), self.engine.weight_aliases()
         if self.cfg.lora.enabled:
-            from tandem.rollout.adapter import A_SUFFIX, MergedAdapter, adapter_manifest
+            from tandem.rollout.adapter import A_SUFFIX, adapted_shapes, adapter_manifest
 
-            lora, path = self.cfg.lora, self.cfg.model.path
-            modules = [n.removesuffix(A_SUFFIX) for n in planned if n.endswith(A_SUFFIX)]
+            stems = [n.removesuffix(A_SUFFIX) for n in planned if n.endswith(A_SUFFIX)]
             dtype = next(iter(expected.values()))[1]
             if self._serves_adapters:
-                expected = adapter_manifest(path, modules, lora.rank, dtype)
+                shapes = adapted_shapes(weightless_model(self.cfg.model.path, self.cfg.model.trust_remote_code), stems)
+                expected = adapter_manifest(shapes, self.cfg.lora.rank, dtype)
             else:
-                self._adapter = MergedAdapter(path, modules, lora.rank, lora.alpha, dtype, self.ctx.device)
+                self._adapter = merged_adapter(self.cfg, stems, dtype, self.ctx.device, set(expected))
                 expected = self._adapter.manifest
             aliases = {}
         check_plan(expected, planned, f"sampler {self.ctx.global_rank}'s engine", aliases)
@@ -182,3 +188,17 @@ class RolloutWorker:
             channel = getattr(self, "_channel", None)
             if channel is not None:
                 channel.close()
+
+
+def merged_adapter(cfg: Config, stems: list[str], dtype: torch.dtype, device, engine_names: set[str]):
+    """The sampler's merge of the adapter whose wire stems are `stems` into the base weights it reads from the
+    checkpoint; stacked experts are assembled from the checkpoint's per-expert tensors, and go out as them when the
+    engine loads those (`engine_names`, its manifest, lacks the trainer's stacked names: vLLM)."""
+    from tandem.rollout.adapter import MergedAdapter, adapted_shapes
+
+    skeleton = weightless_model(cfg.model.path, cfg.model.trust_remote_code)
+    shapes = adapted_shapes(skeleton, stems)
+    stacked = {n: torch.empty(s, device="meta") for n, s in shapes.items() if len(s) == 3}
+    conversion = ToCheckpoint.of_model(skeleton, stacked.items()) if stacked else None
+    return MergedAdapter(cfg.model.path, shapes, cfg.lora.rank, cfg.lora.alpha, dtype, device, conversion,
+                         to_checkpoint=not set(stacked) <= engine_names)

@@ -202,7 +202,7 @@ class TrainWorker:
         if self.policy.lora is not None:
             from tandem.train.lora import read_adapter
 
-            self.policy.load_adapter(read_adapter(folder))
+            self.policy.load_adapter(read_adapter(folder, self.policy.model))
         else:
             weights = {}
             for shard in sorted(Path(folder).glob("*.safetensors")):

@@ -66,16 +66,28 @@ def test_grpo_step_with_the_hf_engine(zoo, arch, tmp_path):
 
 @pytest.mark.parametrize("arch", zoo_models.ARCHITECTURES)
 def test_lora_grpo_steps_with_the_default_targets(zoo, arch, tmp_path):
-    """Each architecture's default LoRA targets (tandem.architectures.SUPPORT) pass the check on a weightless model,
-    wrap, train, and reach the engine merged: the second step samples with the trainer's logprobs."""
+    """Each architecture's default LoRA targets (tandem.architectures.SUPPORT: an MoE's stacked experts too) pass
+    the check on a weightless model, wrap, train, and reach the engine merged: the second step samples with the
+    trainer's logprobs."""
+    _lora_steps(zoo[arch], tmp_path, "hf")
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_lora_on_the_experts_reaches_vllm_merged_and_cut_per_expert(zoo, tmp_path):
+    """With vLLM, the experts' adapters merged into the stacked experts reach the engine as the checkpoint's
+    per-expert tensors (tandem.sync.convert), as a full fine-tuning's weights do."""
+    _lora_steps(zoo["qwen3_moe"], tmp_path, "vllm")
+
+
+def _lora_steps(model: Path, tmp_path: Path, engine: str) -> None:
     from tandem.config import LoraConfig
     from tandem.train import lora
 
-    lora.check(LoraConfig(enabled=True), str(zoo[arch]))
+    lora.check(LoraConfig(enabled=True), str(model))
     from tandem.trainer import train
 
     out = tmp_path / "run"
-    train(zoo_config(zoo[arch], out, "lora.enabled=true", "optim.lr=1e-2", "algo.kl_coef=0.05",
+    train(zoo_config(model, out, "lora.enabled=true", "optim.lr=1e-2", "algo.kl_coef=0.05", f"rollout.engine={engine}",
                      "rewards=[{name: 'toy_rewards:text_length'}]"))  # random weights: a reward that varies
     steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
     assert steps[0]["grad_norm"] > 0  # the adapter moved, so step 2's engine needed the merged weights

@@ -1,8 +1,10 @@
 """LoRA in one process: only adapters train, the sampler samples with them, checkpoints in PEFT's format that resume
-exactly and export merged, and configs PEFT cannot serve refused before any model loads."""
+exactly and export merged, an MoE's stacked experts adapted and merged as PEFT does, and configs PEFT cannot serve
+refused before any model loads."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -15,13 +17,22 @@ from tandem.config import ConfigError, load_config
 from tandem.trainer import start_run, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_trainer import read_metrics, small_config  # noqa: E402
+import zoo_models  # noqa: E402
 
 LORA = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8", "optim.lr=1e-2")
 
 
 def lora_config(model: Path, out: Path, *extra: str):
     return small_config(model, out, *LORA, *extra)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE (4 experts, top 2; tests/zoo_models.py): LoRA's defaults adapt its attention and
+    its stacked experts."""
+    return zoo_models.build(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe")
 
 
 def test_lora_trains_the_adapter_only_and_the_sampler_samples_with_it(tiny_model, tmp_path):
@@ -68,9 +79,11 @@ def test_lora_resume_reproduces_the_uninterrupted_run(tiny_model, tmp_path):
     assert a == (checkpoint.latest(cut / "checkpoints") / "adapter_model.safetensors").read_bytes()
 
 
-def test_saved_adapter_loads_with_peft_and_merged_export_with_transformers(tiny_model, tmp_path, capsys):
+@pytest.mark.parametrize("model", ["tiny_model", "moe_model"])
+def test_saved_adapter_loads_with_peft_and_merged_export_with_transformers(model, request, tmp_path, capsys):
     """Both give the trainer's logprobs on a fixed prompt: the PEFT model from the checkpoint as is, and the plain
-    model `tandem export` writes."""
+    model `tandem export` writes. On the MoE, the adapter holds one adapter per expert of the stacked experts, in
+    PEFT's own file names (its nested wrappers), and a resumed trainer reads them back under tandem's."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -78,10 +91,19 @@ def test_saved_adapter_loads_with_peft_and_merged_export_with_transformers(tiny_
     from tandem.modeling import load_causal_lm
     from tandem.workers.hybrid import HybridWorker
 
+    tiny_model = request.getfixturevalue(model)
     out = tmp_path / "run"
     cfg = lora_config(tiny_model, out, "run.steps=2")
     train(cfg)
     last = checkpoint.latest(out / "checkpoints")
+    if model == "moe_model":
+        from safetensors.torch import load_file
+
+        saved = load_file(str(last / "adapter_model.safetensors"))
+        experts = {n: tuple(t.shape) for n, t in saved.items() if ".mlp.experts." in n}
+        # per layer, gate_up [E=4, 2I=64, H=64] and down [4, H, I=32]: A [E*r, in], B [out, r*E], r = 4
+        assert sorted(experts.values()) == sorted([(16, 64), (64, 16), (16, 32), (64, 16)] * 2), experts
+        assert all(float(t.abs().max()) > 0 for n, t in saved.items() if "lora_B" in n)  # every adapter moved
     worker = HybridWorker(cfg)  # the trainer's model, resumed from the checkpoint
     worker.restore(str(last))
     ids = torch.tensor([[5, 17, 42, 9, 33, 101, 7]])
@@ -142,6 +164,95 @@ def test_bad_lora_configs_are_refused_before_any_model_loads(tiny_model, tmp_pat
         start_run(lora_config(tiny_model, tmp_path / "run", override, *extra), claim_output_dir=False)
 
 
+def test_lora_on_the_experts_is_refused_before_any_model_loads_where_it_cannot_run(moe_model, tiny_model, tmp_path,
+                                                                                  monkeypatch):
+    from tandem import modeling
+
+    monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
+    cases = [
+        (moe_model, ("lora.dropout=0.1",), r"lora.dropout: 0.1 with adapters on parameters \(\['mlp.experts"),
+        (moe_model, ("lora.target_parameters=[mlp.experts.up_proj]",),
+         r"\['mlp.experts.up_proj'\] match no parameter.*stacked \(expert\) parameters are \["
+         r"'mlp.experts.down_proj', 'mlp.experts.gate_up_proj'\]"),
+        (tiny_model, ("lora.target_parameters=[mlp.experts.gate_up_proj]",), "which has no stacked"),
+        (moe_model, ("placement.backend=ray", "placement.workers=2", "placement.expert_parallel=2"),
+         r"lora.enabled with placement.expert_parallel: 2 adapts the experts"),
+    ]
+    for model, extra, words in cases:
+        with pytest.raises(ConfigError, match=words):
+            start_run(lora_config(model, tmp_path / "run", *extra), claim_output_dir=False)
+    # the attention alone under EP is accepted (its training measured by hand: docs/design-notes.md, "LoRA")
+    lora_config(moe_model, tmp_path / "run", "placement.backend=ray", "placement.workers=2",
+                "placement.expert_parallel=2", "lora.target_modules=[q_proj, v_proj]")
+
+
+def test_the_experts_merge_is_peft_s_delta_and_a_shard_merges_its_own_experts():
+    """merge_experts against PEFT's own delta of its stacked-parameter wrapper (random A and B): the
+    trainer's merge and every sampler's are this function, and a rank holding experts 2..3 of 4 gets their rows."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tandem.rollout.adapter import merge_experts
+    from tandem.train.lora import adapted
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=32, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+                            num_experts_per_tok=2)
+    model = Qwen3MoeForCausalLM(config).double()
+    get_peft_model(model, PeftLoraConfig(r=3, lora_alpha=5, target_modules=[],
+                                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    layers = adapted(model)
+    assert list(layers) == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]
+    for layer in layers.values():
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        with torch.no_grad():
+            b.normal_()
+        w, scale = layer.get_param(), layer.scaling["default"]
+        merged = merge_experts(w.detach(), a.detach(), b.detach(), scale)
+        # the products in fp32, as `merge`'s: agreement to fp32 rounding (an expert's A or B columns taken in
+        # another order differ by O(1))
+        torch.testing.assert_close(merged - w, layer.get_delta_weight("default").detach(), rtol=1e-5, atol=1e-6)
+        shard = merge_experts(w.detach()[2:], a.detach(), b.detach(), scale, first=2, experts=4)
+        assert torch.equal(shard, merged[2:])
+
+
+def test_a_sampler_merges_the_experts_as_the_trainer_does_under_either_engine_s_names(moe_model, tmp_path):
+    """A split sampler gets the adapter alone; its merge into the base it assembles from the checkpoint's per-expert
+    tensors is, bit for bit, what the trainer's merged weights give an engine: by the trainer's stacked names (the
+    hf engine) and cut into the checkpoint's per-expert names (vLLM). An adapter missing an expert tensor, or with
+    one mis-shaped, is refused naming it."""
+    from tandem.config import LoraConfig as Lora
+    from tandem.modeling import load_causal_lm
+    from tandem.rollout.adapter import A_SUFFIX
+    from tandem.sync.convert import ToCheckpoint
+    from tandem.train.lora import adapter_weights, merged_weights, wrap
+    from tandem.workers.rollout import merged_adapter
+
+    model = load_causal_lm(moe_model)
+    wrap(model, Lora(enabled=True, rank=4, alpha=8), str(moe_model), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    adapter = adapter_weights(model)
+    stems = [n.removesuffix(A_SUFFIX) for n in adapter if n.endswith(A_SUFFIX)]
+    fused = dict(merged_weights(model))
+    per_expert = dict(ToCheckpoint.of_model(model, fused.items()).views(fused.items()))
+    cfg = lora_config(moe_model, tmp_path / "run")
+    for want, expert in ((fused, "model.layers.1.mlp.experts.down_proj"),
+                         (per_expert, "model.layers.1.mlp.experts.3.down_proj.weight")):
+        got = dict(merged_adapter(cfg, stems, torch.float32, "cpu", set(want)).merged(adapter))
+        assert expert in got and got.keys() <= want.keys()
+        assert [n for n, t in got.items() if not torch.equal(t, want[n])] == []
+    sampler = merged_adapter(cfg, stems, torch.float32, "cpu", set(per_expert))
+    expert_a = "model.layers.1.mlp.experts.down_proj" + A_SUFFIX
+    with pytest.raises(ValueError, match=re.escape(expert_a)):
+        sampler.merged({n: t for n, t in adapter.items() if n != expert_a})
+    with pytest.raises(ValueError, match=re.escape(expert_a)):
+        sampler.merged(dict(adapter, **{expert_a: adapter[expert_a][:-4]}))  # one expert's rows short
+
+
 def test_lora_defaults_per_architecture():
     from tandem.architectures import lora_targets
 
@@ -149,4 +260,9 @@ def test_lora_defaults_per_architecture():
     assert lora_targets("phi3") == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     assert lora_targets("mixtral") == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert lora_targets("some_new_model") == "all-linear"
+    from tandem.architectures import lora_parameter_targets
+
+    assert lora_parameter_targets("qwen3_moe") == lora_parameter_targets("mixtral") == [
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert lora_parameter_targets("qwen2") == lora_parameter_targets("some_new_model") == []
     assert load_config(None, []).lora.enabled is False
