@@ -58,7 +58,7 @@ def run(schedule: str, steps: int, out: Path, model: str, extra: list[str], samp
 
     cfg = load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", "run.eval_every=0",
-        f"run.save_every={steps}", "run.progress=false", "run.plots=false", "run.tensorboard=false",
+        f"run.save_every={steps}", "run.progress=false", "run.plots=false", "run.report_to=[]",
         "data.eval_size=200", "placement.mode=split", "placement.backend=ray", "placement.train_workers=1",
         f"placement.rollout_workers={samplers}", "placement.cpus_per_worker=1", f"placement.schedule={schedule}",
         "placement.max_staleness=1", "reward_pool.workers=0", *extra], DEMO_DEFAULTS)

@@ -38,7 +38,7 @@ def split_run(model: Path, out: Path, steps: int, lora: list[str]) -> list[dict]
 
     cfg = load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", "run.save_every=0", "run.eval_every=0",
-        "run.progress=false", "run.plots=false", "run.tensorboard=false", "data.eval_size=4", "batch.prompts_per_step=4",
+        "run.progress=false", "run.plots=false", "run.report_to=[]", "data.eval_size=4", "batch.prompts_per_step=4",
         "batch.group_size=4", "rollout.max_new_tokens=8", "data.max_prompt_tokens=16", "batch.micro_batch_tokens=512",
         "placement.backend=ray", "placement.mode=split", "placement.cpus_per_worker=1", "reward_pool.workers=0",
         *lora])

@@ -40,7 +40,7 @@ def main() -> None:
             cfg = load_config(ROOT / "examples" / f"{name}.yaml", [
                 f"model.path={model}", f"run.output_dir={out}", f"run.steps={args.steps}", f"run.seed={args.seed}",
                 f"run.threads={args.threads}", "run.eval_every=0", "run.save_every=0", "run.progress=false",
-                "run.tensorboard=false", "run.plots=false",
+                "run.report_to=[]", "run.plots=false",
             ], DEMO_DEFAULTS)
             start = time.perf_counter()
             summary = train(cfg)

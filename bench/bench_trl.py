@@ -299,7 +299,7 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
         data = ["data.task=jsonl", f"data.path={path}", f"data.eval_path={path}", f"data.max_prompt_tokens={plen}"]
     cfg = load_config(None, [*data,
         f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", f"run.threads={threads}",
-        f"run.seed={SEED}", "run.save_every=0", "run.progress=false", "run.tensorboard=false", "run.plots=false",
+        f"run.seed={SEED}", "run.save_every=0", "run.progress=false", "run.report_to=[]", "run.plots=false",
         f"batch.prompts_per_step={w.prompts}", f"batch.group_size={w.generations}",
         f"batch.micro_batch_tokens={w.micro_rows * seq}",
         f"rollout.max_new_tokens={w.new_tokens}", f"rollout.ignore_eos={str(w.ignore_eos).lower()}",

@@ -187,7 +187,7 @@ def check_train(model: Path) -> str:
     out = Path(tempfile.mkdtemp()) / "run"
     cfg = load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", "run.steps=3", "run.save_every=3", "run.progress=false",
-        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
+        "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
         "rollout.max_new_tokens=8", "data.max_prompt_tokens=8", "data.eval_size=8", "algo.kl_coef=0.04",
         "rewards=[{name: arithmetic_exact}]"])
     devices = {}

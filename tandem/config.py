@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -33,11 +33,15 @@ class Section(BaseModel):
 
 class RunConfig(Section):
     name: str = Field(
-        "run", description="Run name, kept with the config in each checkpoint's trainer state. Nothing else reads "
-        "it: TensorBoard names a run by its folder (output_dir/tensorboard).",
+        "run", description="Run name: the trackers' run name (run.report_to; TensorBoard names a run by its folder "
+        "instead), kept with the config in each checkpoint's trainer state and model card.",
     )
+    project: str = Field(
+        "tandem", description="The trackers' project (wandb's project, MLflow's experiment, Trackio's and "
+        "SwanLab's project), where runs of one study sit side by side; WANDB_PROJECT and MLFLOW_EXPERIMENT_NAME, "
+        "where set, win, as those libraries' users expect.")
     output_dir: str = Field(
-        "runs/run", description="Where metrics, TensorBoard events, plots and checkpoints go."
+        "runs/run", description="Where metrics, the trackers' local stores, plots and checkpoints go."
     )
     seed: int = Field(0, description="Seeds data order, sampling and initialization. Same seed, same metrics (CPU).")
     steps: int = Field(100, ge=1, description="GRPO steps to run (one step = one batch of prompts sampled and trained on).")
@@ -59,9 +63,34 @@ class RunConfig(Section):
         "last. A new run also evaluates the model it starts from (step 0); a resumed run does not (its step 0 is in "
         "metrics.jsonl already).",
     )
-    tensorboard: bool = Field(True, description="Also write TensorBoard event files (metrics.jsonl is always written).")
+    report_to: list[str] = Field(
+        ["tensorboard"], description="Experiment trackers the run logs to besides metrics.jsonl (always written), "
+        "TRL's name and meaning: any of tensorboard, wandb, mlflow, trackio, swanlab, or `none` (or []). Each gets "
+        "the resolved config as the run's parameters, every metric at its step, the curves image and the final "
+        "evaluation, off the training thread; local by default, under run.output_dir (tensorboard/, wandb/ in "
+        "offline mode, mlruns/ as MLflow's file store, trackio/, swanlog/), online where the library's own "
+        "variables say (WANDB_MODE, MLFLOW_TRACKING_URI, TRACKIO_DIR, SWANLAB_MODE). A resumed run continues "
+        "the same tracker runs (their ids are in output_dir/trackers.json). One whose library is not installed "
+        "is refused here with its pip command; one that fails mid-run warns once and the run goes on.")
     plots: bool = Field(True, description="Write PNG plots of the main curves into output_dir at the end.")
     progress: bool = Field(True, description="Show a progress bar on the console.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers(cls, value: Any) -> list[str]:
+        from tandem.run.trackers import TRACKERS, missing
+
+        names = [value] if isinstance(value, str) else list(value or [])
+        names = [n for n in names if n != "none"]
+        unknown = [n for n in names if n not in TRACKERS]
+        if unknown:
+            raise ValueError(f"{unknown} are not trackers tandem logs to; use any of {list(TRACKERS)}, or none")
+        absent = missing(names)
+        if absent:
+            raise ValueError(f"{absent} named but not installed: pip install "
+                             f"{' '.join(repr(f'tandem[{n}]') for n in absent)} (or the libraries themselves: "
+                             f"pip install {' '.join(absent)}), or leave them out of run.report_to")
+        return list(dict.fromkeys(names))
 
 
 class ModelConfig(Section):
@@ -666,6 +695,8 @@ KNOWN_ALIASES = {
     "lora_r": ("lora.rank", "PEFT"), "lora_alpha": ("lora.alpha", "PEFT/verl"),
     "lora_dropout": ("lora.dropout", "PEFT"), "use_peft": ("lora.enabled", "TRL"),
     "optim.epsilon": ("optim.eps", "AdamW"),  # in the optimizer's section it is AdamW's, not TRL's clip
+    "run.tensorboard": ("run.report_to", "earlier tandem"),
+    "run_name": ("run.name", "TRL/transformers"), "logger": ("run.report_to", "verl (trainer.logger)"),
 }
 
 

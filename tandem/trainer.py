@@ -16,10 +16,12 @@ from tandem.data.sources import Prompt, PromptStream, load_task_rows, tokenize_r
 from tandem.modeling import check_model_folder, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.run import checkpoint
+from tandem.run.card import model_card
 from tandem.run.directory import RunLock, Start, claim
-from tandem.run.evaluation import evaluate
+from tandem.run.evaluation import RESULTS_FILE, Evaluation, evaluate, results, write_json
 from tandem.run.metrics import METRICS_FILE, MetricsLog
 from tandem.run.signals import StopSignals, Stopped
+from tandem.run.trackers import RunInfo, Trackers
 from tandem.run.source import RolloutSource, sampling_for
 from tandem.train import lora
 from tandem.util.rng import rng_state, set_rng_state
@@ -45,6 +47,7 @@ class Run:
     lock: RunLock | None = None  # on run.output_dir, for the run's lifetime (None: evaluation only)
     stop: StopSignals = field(default_factory=StopSignals)  # `train` passes its own; this one never fires
     last_finished: float = 0.0  # wall-clock end of the last finished step's weight sync
+    last_eval: Evaluation | None = None  # the latest evaluation (`run_eval`), per reward, per task and per sample
 
     def close(self) -> None:
         try:
@@ -174,7 +177,7 @@ def finish(run: Run, s: Launched) -> dict[str, float]:
 
 
 class Cadence:
-    """What follows a step's update, at the run's periods: its metrics logged (metrics.jsonl, TensorBoard), the
+    """What follows a step's update, at the run's periods: its metrics logged (metrics.jsonl, run.report_to), the
     evaluation (run.eval_every, and after the last step) and the checkpoint (run.save_every, and after the last
     step) of the weights it made, the progress bar. `done` is the last step whose update is in the weights and
     whose metrics are logged."""
@@ -188,7 +191,10 @@ class Cadence:
     def start(self) -> None:
         """Open the metrics log; a new run evaluates its starting model first (step 0)."""
         run, r = self.run, self.run.cfg.run
-        self.metrics = MetricsLog(Path(r.output_dir), r.tensorboard, run.start_step if run.resumed else None)
+        out = Path(r.output_dir)
+        trackers = Trackers(r.report_to, RunInfo(r.name, r.project, out, run.cfg.model_dump(mode="json")),
+                            resume=run.resumed)
+        self.metrics = MetricsLog(out, run.start_step if run.resumed else None, trackers)
         if run.start_step == 0:
             first = run_eval(run)
             self.metrics.log(0, first)
@@ -224,9 +230,14 @@ class Cadence:
         if self.bar is not None:
             self.bar.close()
         final = self.metrics.history[-1] if self.metrics.history else {}
-        self.summary.update({k: v for k, v in final.items() if k.startswith("eval/")})
-        if self.run.cfg.run.plots:
-            self.metrics.plot()
+        evaluated = {k: v for k, v in final.items() if k.startswith("eval/")}
+        self.summary.update(evaluated)
+        out, trackers = Path(self.run.cfg.run.output_dir), self.metrics.trackers
+        if self.run.last_eval is not None:  # the last step's (a resume of a finished run evaluates nothing)
+            write_json(out / RESULTS_FILE, results(self.run.last_eval, self.run.cfg))
+        trackers.final(self.done, evaluated)
+        if self.run.cfg.run.plots and (curves := self.metrics.plot()) is not None:
+            trackers.image(self.done, "curves", curves)
         print(self.metrics.summary())
         return self.summary
 
@@ -238,20 +249,24 @@ class Cadence:
 
 
 def run_eval(run: Run) -> dict[str, float]:
-    """The held-out evaluation with the policy's current weights, sampled as the run samples (`sampling_for`)."""
+    """The held-out evaluation with the policy's current weights, sampled as the run samples (`sampling_for`): its
+    figures as logged (`eval/...`); the whole evaluation is kept as `run.last_eval`."""
     cfg = run.cfg
-    res = evaluate(lambda ids, sampling: run.workers.generate(ids, sampling).samples, run.eval_prompts, run.scorer,
-                   run.correct_reward, sampling_for(cfg, cfg.run.seed), k=cfg.eval.k, temperature=cfg.eval.temperature)
-    return {f"eval/{k}": v for k, v in res.items()}
+    run.last_eval = evaluate(lambda ids, sampling: run.workers.generate(ids, sampling).samples, run.eval_prompts,
+                             run.scorer, run.correct_reward, sampling_for(cfg, cfg.run.seed), k=cfg.eval.k,
+                             temperature=cfg.eval.temperature, task=cfg.data.task)
+    return {f"eval/{k}": v for k, v in run.last_eval.figures.items()}
 
 
 def save(run: Run, step: int, data: dict | None = None) -> Path:
     """Checkpoint `step`; `data`: the prompt stream's position a resume starts from (default: the source's now)."""
     data = run.source.resume_state() if data is None else data
-    state = {"step": step, "data": data, "config": run.cfg.model_dump(mode="json")}
+    figures = {f"eval/{k}": v for k, v in run.last_eval.figures.items()} if run.last_eval is not None else {}
+    state = {"step": step, "data": data, "config": run.cfg.model_dump(mode="json"), "eval": figures}
     out = Path(run.cfg.run.output_dir)
+    card = model_card(state, "adapter" if run.cfg.lora.enabled else "full")
     return checkpoint.save(out / "checkpoints", step, run.workers.save, state, run.cfg.run.keep_checkpoints,
-                           flush_first=[out / METRICS_FILE])
+                           flush_first=[out / METRICS_FILE], card=card)
 
 
 def _stopped(run: Run, done: int, data: dict, rng: dict) -> Stopped:

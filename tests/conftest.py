@@ -84,7 +84,21 @@ VLLM_IN_PROCESS = {"test_vllm_engine.py", "test_vllm_server.py", "test_sync_guar
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: starts a vLLM server process (~1 min); deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "ray: starts Ray (the module skips itself without ray)")
+    config.addinivalue_line("markers", "vllm: starts a vLLM engine (`scripts/test.sh --quick` leaves these and "
+                            "the Ray ones out)")
+
+
+def _uses_ray(path: Path, seen: dict[Path, bool] = {}) -> bool:  # noqa: B006  a cache over the session
+    if path not in seen:
+        seen[path] = 'pytest.importorskip("ray")' in path.read_text()  # every module that starts Ray says so
+    return seen[path]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if _uses_ray(item.path):
+            item.add_marker(pytest.mark.ray)
+        if item.path.name in VLLM_IN_PROCESS or "vllm" in item.name.lower():
+            item.add_marker(pytest.mark.vllm)
     items.sort(key=lambda item: item.path.name in VLLM_IN_PROCESS)  # stable: the order is kept otherwise

@@ -27,7 +27,7 @@ def guard_config(model, out, *extra: str):
 
     return load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", "run.steps=3", "run.save_every=0", "run.progress=false",
-        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
+        "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
         "rollout.max_new_tokens=6", "data.max_prompt_tokens=8", "batch.micro_batch_tokens=64", "optim.lr=1e-3",
         "data.eval_size=4", "reward_pool.workers=0", *extra,
     ])

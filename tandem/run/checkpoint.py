@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 import torch
 
 from tandem.modeling import ModelFolderError, check_model_files, check_safetensors
+from tandem.run.card import CARD_FILE
 from tandem.util.rng import rng_state, set_rng_state
 
 log = logging.getLogger("tandem.run.checkpoint")
@@ -203,11 +204,12 @@ def _digest(path: Path, algorithm: str) -> str:
 
 
 def save(root: Path, step: int, write_model: Callable[[str], None], state: dict, keep: int,
-         flush_first: Iterable[Path] = ()) -> Path:
+         flush_first: Iterable[Path] = (), card: str = "") -> Path:
     """Write checkpoint `step`: the worker writes its files into a temporary folder, then the RNG and trainer
-    states (the trainer state's presence marks a folder as a checkpoint), then CHECKSUMS listing every file's size
-    and checksum; all are fsynced and one rename publishes the folder; older ones beyond `keep` go.
-    `flush_first`: files a resume reads up to this step (the metrics log), put on disk before the rename."""
+    states (the trainer state's presence marks a folder as a checkpoint) and the model card `card` (README.md),
+    then CHECKSUMS listing every file's size and checksum; all are fsynced and one rename publishes the folder;
+    older ones beyond `keep` go. `flush_first`: files a resume reads up to this step (the metrics log), put on disk
+    before the rename."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = root / f"step-{step:08d}.tmp"
@@ -218,6 +220,8 @@ def save(root: Path, step: int, write_model: Callable[[str], None], state: dict,
         torch.save({"rng": rng_state()}, tmp / "rng.pt")
         state = {**state, "checksums": CHECKSUMS}  # a resume that finds none then knows it was lost
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        if card:
+            (tmp / CARD_FILE).write_text(card)
         write_checksums(tmp)
         for path in flush_first:
             if path.is_file():  # nothing logged yet: nothing to flush

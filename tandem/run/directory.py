@@ -16,13 +16,16 @@ from pathlib import Path
 from typing import Literal
 
 from tandem.run import checkpoint
+from tandem.run.evaluation import RESULTS_FILE
 from tandem.run.metrics import METRICS_FILE, resume_history
+from tandem.run.trackers import IDS_FILE, TRACKERS
 
 log = logging.getLogger("tandem.run.directory")
 
 LOCK_FILE = "tandem.lock"
 # What a run writes into its directory: a start that replaces a previous run removes these and nothing else.
-RUN_FILES = ("checkpoints", METRICS_FILE, "tensorboard", "curves.png")
+RUN_FILES = ("checkpoints", METRICS_FILE, "curves.png", RESULTS_FILE, IDS_FILE,
+             *(store for _, store in TRACKERS.values()))  # run.report_to's local stores
 
 # start: a new run; refused over a run that has checkpoints. resume: continue from the newest valid checkpoint,
 # refused where there is none. resume_or_start: resume, or start where the directory holds no run yet.

@@ -1,4 +1,4 @@
-"""Run metrics: one JSON line per step always, TensorBoard when enabled, PNG plots and a summary table at the end."""
+"""Run metrics: one JSON line per step always, the trackers of run.report_to, PNG plots and a summary table at the end."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,10 @@ PLOTTED = ["reward/mean", "eval/accuracy", "train/accuracy", "loss", "kl", "entr
 
 
 class MetricsLog:
-    def __init__(self, output_dir: Path, tensorboard: bool, resume_step: int | None = None):
+    """metrics.jsonl, the record (each row appended as it is logged; a resume cuts the rows it redoes), and every
+    row passed on to the run's trackers (`tandem.run.trackers`)."""
+
+    def __init__(self, output_dir: Path, resume_step: int | None = None, trackers=None):
         self.dir = output_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / METRICS_FILE
@@ -26,26 +29,19 @@ class MetricsLog:
             self.history = resume_history(self.path, resume_step)
         else:
             self.path.write_text("")
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self.trackers = trackers
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self.history.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.tb:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, step)
+        if self.trackers is not None:
+            self.trackers.log(step, {k: v for k, v in row.items() if k != "step"})
 
     def close(self) -> None:
-        if self.tb:
-            self.tb.flush()
-            self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
     def plot(self) -> Path | None:
         keys = [k for k in PLOTTED if any(k in r for r in self.history)]

@@ -233,6 +233,10 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, dtype: str
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(folder).save_pretrained(tmp)
+        if (folder / "trainer_state.json").is_file():  # a tandem checkpoint: its card, for the merged model
+            from tandem.run.card import CARD_FILE, model_card
+
+            (tmp / CARD_FILE).write_text(model_card(json.loads((folder / "trainer_state.json").read_text()), "merged"))
         if target.exists():  # --force: the old folder goes only once the new one is whole
             os.rename(target, old)
         try:

@@ -196,3 +196,21 @@ def test_gsm8k_official_files(shared_dir):
     assert gsm8k_final_answer("so 1,234 apples\n#### 1,234") == "1234"
     with pytest.raises(DataError, match="no '####'"):
         gsm8k_final_answer("the answer is 4")
+
+
+@pytest.mark.parametrize("argv, config, overrides, flags", [
+    (["train", "run.yaml", "--resume", "a=b"], "run.yaml", ["a=b"], {"resume": True}),
+    (["train", "run.yaml", "a=b", "--resume-or-start", "c=d", "-v"], "run.yaml", ["a=b", "c=d"],
+     {"resume_or_start": True, "verbose": True}),
+    (["-v", "demo", "a=1", "--config", "examples/dapo.yaml", "b=2"], "examples/dapo.yaml", ["a=1", "b=2"],
+     {"verbose": True}),
+    (["eval", "run.yaml", "--k", "4", "a=b", "--output", "r.json"], "run.yaml", ["a=b"], {"k": 4, "output": "r.json"}),
+])
+def test_flags_and_overrides_in_any_order(argv, config, overrides, flags):
+    """As people type them: argparse alone ends the overrides at the first flag (`train run.yaml --resume a=b`
+    failed with 'unrecognized arguments')."""
+    from tandem.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert (args.config, args.overrides) == (config, overrides)
+    assert {k: getattr(args, k) for k in flags} == flags

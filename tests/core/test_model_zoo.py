@@ -41,7 +41,7 @@ def zoo(tmp_path_factory) -> dict[str, Path]:
 def zoo_config(model: Path, out: Path, *extra: str):
     return load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", "run.steps=2", "run.save_every=0", "run.progress=false",
-        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=2",
+        "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=2",
         "rollout.max_new_tokens=6", "data.max_prompt_tokens=8", "batch.micro_batch_tokens=64", "optim.lr=1e-3",
         "data.eval_size=2", "reward_pool.workers=0", "rollout.vllm.kv_cache_mb=16", "rollout.vllm.max_model_len=64",
         *extra,

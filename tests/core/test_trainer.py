@@ -18,7 +18,7 @@ TIMING = ("time/", "tokens_per_s", "rollout/tokens_per_s")
 def small_config(model: Path, out: Path, *extra: str):
     return load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", "run.steps=4", "run.save_every=2", "run.progress=false",
-        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
+        "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
         "rollout.max_new_tokens=4", "data.max_prompt_tokens=8", "batch.micro_batch_tokens=64", "optim.lr=1e-3",
         "data.eval_size=8", "run.seed=3",
         "rewards=[{name: arithmetic_exact}, {name: 'toy_rewards:text_length', weight: 0.5}]", *extra,
@@ -85,7 +85,7 @@ def test_checkpoint_is_a_plain_hf_folder_and_survives_a_failed_save(tiny_model, 
 
 def test_metrics_cover_the_step(tiny_model, tmp_path):
     out = tmp_path / "run"
-    summary = train(small_config(tiny_model, out, "run.steps=2", "run.plots=true", "run.tensorboard=true",
+    summary = train(small_config(tiny_model, out, "run.steps=2", "run.plots=true", "run.report_to=[tensorboard]",
                                  "algo.kl_coef=0.1"))
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     step = rows[1]
@@ -103,6 +103,17 @@ def test_metrics_cover_the_step(tiny_model, tmp_path):
     assert (out / "curves.png").stat().st_size > 0
     assert any((out / "tensorboard").iterdir())
     assert "eval/accuracy" in summary and "initial_eval/accuracy" in summary
+    # the final evaluation as a results file, and a model card in each checkpoint naming what made it
+    results = json.loads((out / "eval_results.json").read_text())
+    assert {f"eval/{k}": v for k, v in results["results"].items()} == {k: v for k, v in rows[-1].items()
+                                                                        if k.startswith("eval/")}
+    card = (checkpoint.latest(out / "checkpoints") / "README.md").read_text()
+    assert card.startswith(f"---\nbase_model: {tiny_model}\nlibrary_name: transformers\n")
+    for words in ("after step 2 of 2", "`arithmetic_exact` (weight 1)", "`toy_rewards:text_length` (weight 0.5)",
+                  "advantage `grpo`", "KL to the reference | 0.1", "4 prompts x 4 completions per step",
+                  f"| accuracy | {rows[-1]['eval/accuracy']:.4g} |", "tandem 0."):
+        assert words in card, (words, card)
+    assert checkpoint.problems(checkpoint.latest(out / "checkpoints")) == []  # the card is among the checksums
 
 
 def test_micro_batch_budget_does_not_change_the_update(tiny_model, tmp_path):

@@ -26,3 +26,11 @@ def kills_worker(completion: str, prompt: str, row, **_) -> float:
 
 def not_a_number(completion: str, prompt: str, row, **_):
     return float("nan") if len(completion) % 2 else "high"
+
+
+def matches_target(completion: str, prompt: str, row, **_) -> float:
+    return float(completion.strip() == row["target"])
+
+
+def always_one(completion: str, prompt: str, row, **_) -> float:
+    return 1.0

@@ -122,7 +122,7 @@ def test_a_reward_that_fails_everywhere_stops_the_run_by_name_and_evaluation_cou
     config = tmp_path / "run.yaml"
     config.write_text("rewards: [{name: arithmetic_exact}, {name: 'bad_rewards:raises'}]\n")
     code = main(["train", str(config), f"model.path={tiny_model}", f"run.output_dir={out}", "run.steps=2",
-                 "run.progress=false", "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=2",
+                 "run.progress=false", "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=2",
                  "batch.group_size=2", "rollout.max_new_tokens=4", "data.max_prompt_tokens=8",
                  "batch.micro_batch_tokens=64", "data.eval_size=3", "reward_pool.workers=1"])
     err = capsys.readouterr().err
@@ -148,7 +148,7 @@ def test_evaluation_counts_reward_errors_by_function_and_kind():
                                 for _ in range(sampling.n)], len(ids))
 
     with RewardScorer([("bad_rewards:with_row", 1.0, {}), ("bad_rewards:raises", 1.0, {})], workers=0) as s:
-        out = evaluate(generate, prompts, s, "bad_rewards:with_row", Sampling(max_new_tokens=4, seed=0), k=3)
+        out = evaluate(generate, prompts, s, "bad_rewards:with_row", Sampling(max_new_tokens=4, seed=0), k=3).figures
     assert out["accuracy"] == 1.0
     assert out["reward_errors/bad_rewards:raises"] == 2 + 6  # greedy and sampled
     assert out["reward_errors/bad_rewards:raises/raised"] == 8

@@ -172,7 +172,7 @@ def run_config(model, out, *extra: str):
 
     return load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", "run.steps=2", "run.save_every=0", "run.progress=false",
-        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=2",
+        "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=2",
         "rollout.max_new_tokens=4", "data.max_prompt_tokens=8", "batch.micro_batch_tokens=256", "optim.lr=1e-2",
         "data.eval_size=4", "reward_pool.workers=0", "env.name=test_multiturn:echo_env", "env.kwargs={turns: 3}", "env.max_tokens=64",
         "rollout.max_logprob_diff=1e-5", "rollout.ignore_eos=true",  # every conversation takes its 3 turns

@@ -125,7 +125,7 @@ def test_lora_run_on_one_vllm_engine_then_its_merged_export_served_by_vllm(vllm_
     out = tmp_path / "run"
     train(load_config(None, [
         f"model.path={vllm_model}", f"run.output_dir={out}", "run.steps=3", "run.save_every=3", "run.progress=false",
-        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
+        "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
         "rollout.max_new_tokens=6", "data.max_prompt_tokens=8", "batch.micro_batch_tokens=64", "data.eval_size=4",
         "reward_pool.workers=0", "rollout.engine=vllm", "rollout.vllm.kv_cache_mb=32", "rollout.vllm.max_model_len=64",
         "lora.enabled=true", "optim.lr=1e-2", "rollout.max_logprob_diff=1e-5",

@@ -29,7 +29,7 @@ def settings(model: Path, tmp: Path, steps: int, save_every: int, pause_s: float
     return {
         "model": {"path": str(model)},
         "run": {"steps": steps, "save_every": save_every, "keep_checkpoints": 2, "eval_every": 20, "seed": 3,
-                "progress": False, "tensorboard": False, "plots": False},
+                "progress": False, "report_to": [], "plots": False},
         "batch": {"prompts_per_step": 4, "group_size": 4, "micro_batch_tokens": 64},
         "rollout": {"max_new_tokens": 4},
         "data": {"max_prompt_tokens": 8, "eval_size": 8},

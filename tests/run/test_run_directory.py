@@ -26,7 +26,7 @@ from tandem.modeling import check_model_files
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
-    "run": {"steps": 2, "save_every": 1, "keep_checkpoints": 2, "progress": False, "tensorboard": False,
+    "run": {"steps": 2, "save_every": 1, "keep_checkpoints": 2, "progress": False, "report_to": [],
             "plots": False, "seed": 3, "eval_every": 0},
     "batch": {"prompts_per_step": 2, "group_size": 2, "micro_batch_tokens": 64},
     "rollout": {"max_new_tokens": 4}, "data": {"max_prompt_tokens": 8, "eval_size": 4},
@@ -213,7 +213,7 @@ def test_a_torn_last_line_is_cut_with_a_warning(tmp_path, caplog):
     rows = [json.dumps({"step": s, "loss": 0.5}) for s in range(4)]
     (out / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 4, "lo')  # disk full mid-append
     with caplog.at_level(logging.WARNING, logger="tandem"):
-        log = MetricsLog(out, False, resume_step=3)
+        log = MetricsLog(out, resume_step=3)
     log.close()
     assert [r["step"] for r in log.history] == [0, 1, 2, 3]
     assert metrics_steps(out) == [0, 1, 2, 3]
@@ -227,7 +227,7 @@ def test_a_bad_line_in_the_middle_names_the_file_and_line(tmp_path):
     rows[2] = rows[2][:5]
     (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     with pytest.raises(ValueError, match=rf"{out / 'metrics.jsonl'}:3"):
-        MetricsLog(out, False, resume_step=3)
+        MetricsLog(out, resume_step=3)
 
 
 def test_resume_with_a_torn_metrics_line_continues(finished_run, tmp_path, tiny_model):

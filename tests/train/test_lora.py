@@ -122,6 +122,10 @@ def test_saved_adapter_loads_with_peft_and_merged_export_with_transformers(model
     assert main(["export", str(last), str(merged)]) == 0
     plain = AutoModelForCausalLM.from_pretrained(str(merged)).eval()
     assert not any("lora" in n for n, _ in plain.named_parameters())
+    assert "library_name: peft" in (last / "README.md").read_text()  # each folder's card says what it holds
+    card = (merged / "README.md").read_text()
+    assert "library_name: transformers" in card and "merged into the base (`tandem export`)" in card
+    assert f"base_model: {tiny_model}" in card
     torch.testing.assert_close(logprobs(plain), expected, rtol=0, atol=1e-5)
     # the engine's merge is the export's: the hf engine's weights after the last sync are the exported ones
     worker.sync_weights(2)

@@ -48,7 +48,7 @@ def demo_path() -> Path:
 def small_config(model: Path, out: Path, *extra: str):
     return load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", "run.steps=4", "run.save_every=2", "run.progress=false",
-        "run.tensorboard=false", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
+        "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
         "rollout.max_new_tokens=4", "data.max_prompt_tokens=8", "batch.micro_batch_tokens=64", "optim.lr=1e-3",
         "data.eval_size=8", "run.seed=3", "reward_pool.workers=0", "placement.backend=ray", *extra])
 
@@ -216,7 +216,7 @@ def test_async_sampling_keeps_the_staleness_bound_and_learns(session, demo_path,
     steps = 12 if samplers == 1 else 6
     cfg = load_config(None, [
         f"model.path={demo_path}", f"run.output_dir={tmp_path}", f"run.steps={steps}", "run.eval_every=0",
-        "run.save_every=0", "run.progress=false", "run.plots=false", "run.tensorboard=false", "data.eval_size=200",
+        "run.save_every=0", "run.progress=false", "run.plots=false", "run.report_to=[]", "data.eval_size=200",
         "reward_pool.workers=0", "placement.backend=ray", "placement.mode=split",
         f"placement.rollout_workers={samplers}", "placement.schedule=async", "placement.max_staleness=1"],
         DEMO_DEFAULTS)

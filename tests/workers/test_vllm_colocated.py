@@ -167,7 +167,7 @@ def _demo_config(demo_path, out, steps: int, *extra: str):
 
     return load_config(None, [
         f"model.path={demo_path}", f"run.output_dir={out}", f"run.steps={steps}", "run.eval_every=0",
-        "run.save_every=0", "run.progress=false", "run.plots=false", "run.tensorboard=false", "data.eval_size=200",
+        "run.save_every=0", "run.progress=false", "run.plots=false", "run.report_to=[]", "data.eval_size=200",
         "reward_pool.workers=0", "placement.backend=ray", *VLLM, *extra], DEMO_DEFAULTS)
 
 

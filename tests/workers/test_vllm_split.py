@@ -33,7 +33,7 @@ def demo_run(model: Path, out: Path, *extra: str) -> tuple[dict, list[dict]]:
 
     cfg = load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", "run.steps=12", "run.eval_every=0", "run.save_every=0",
-        "run.progress=false", "run.plots=false", "run.tensorboard=false", "data.eval_size=200",
+        "run.progress=false", "run.plots=false", "run.report_to=[]", "data.eval_size=200",
         "reward_pool.workers=0", "placement.backend=ray", "placement.mode=split", *VLLM, *extra], DEMO_DEFAULTS)
     summary = train(cfg)
     return summary, [r for r in read_metrics(out) if r["step"] > 0]

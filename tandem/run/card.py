@@ -1,0 +1,61 @@
+"""Model cards: the README.md, in the Hugging Face style, that every checkpoint and export folder carries."""
+from __future__ import annotations
+
+from typing import Literal
+
+CARD_FILE = "README.md"
+
+Kind = Literal["full", "adapter", "merged"]  # a full fine-tuning's weights, a LoRA adapter, an adapter merged
+
+
+def model_card(state: dict, kind: Kind) -> str:
+    """The card of a checkpoint whose trainer state is `state` (its step, resolved config and the latest held-out
+    evaluation's figures): base model, task and rewards, algorithm and its settings, steps, metrics, version."""
+    from tandem import __version__
+
+    cfg, step = state["config"], state["step"]
+    run, algo, batch, optim, lora = cfg["run"], cfg["algo"], cfg["batch"], cfg["optim"], cfg["lora"]
+    base = cfg["model"]["path"]
+    rewards = ", ".join(f"`{r['name']}` (weight {r['weight']:g})" for r in cfg["rewards"])
+    meta = ["---", f"base_model: {base}", f"library_name: {'peft' if kind == 'adapter' else 'transformers'}",
+            "pipeline_tag: text-generation", "tags:", "- tandem", "- grpo", "- reinforcement-learning",
+            f"- {algo['advantage']}"] + (["- lora"] if lora["enabled"] else []) + ["---", ""]
+    what = {"full": "the policy's weights (full fine-tuning)",
+            "adapter": f"a LoRA adapter (rank {lora['rank']}, alpha {lora['alpha']:g}) in PEFT's format",
+            "merged": f"the policy with its LoRA adapter (rank {lora['rank']}) merged into the base (`tandem export`)"}
+    lines = meta + [
+        f"# {run['name']}", "",
+        f"{what[kind]}, after step {step} of {run['steps']} of reinforcement learning from verifiable rewards "
+        f"with tandem {__version__} (GRPO and its relatives).", "",
+        "## Training", "",
+        "| | |", "|---|---|",
+        f"| base model | `{base}` |",
+        f"| task | `{cfg['data']['task']}`{' (' + cfg['data']['path'] + ')' if cfg['data'].get('path') else ''} |",
+        f"| rewards | {rewards} |",
+        f"| algorithm | advantage `{algo['advantage']}`, policy loss `{algo['policy_loss']}`, loss aggregation "
+        f"`{algo['loss_agg']}` |",
+        f"| clip | [{1 - algo['clip_low']:g}, {1 + algo['clip_high']:g}] |",
+        f"| KL to the reference | {algo['kl_coef']:g} (`{algo['kl_estimator']}`) |",
+        f"| batch | {batch['prompts_per_step']} prompts x {batch['group_size']} completions per step, "
+        f"{batch['mini_batches']} mini-batch(es), mu {algo['mu']} |",
+        f"| optimizer | AdamW, lr {optim['lr']:g}, {optim['schedule']} schedule |",
+        f"| steps | {step} of {run['steps']} (seed {run['seed']}) |", "",
+    ]
+    figures = state.get("eval") or {}
+    if figures:
+        lines += ["## Held-out evaluation", "", f"The latest before this checkpoint, on {cfg['data']['eval_size']} "
+                  "held-out prompts (greedy accuracy; pass@k and mean@k of sampled answers):", "",
+                  "| metric | value |", "|---|---|"]
+        lines += [f"| {k.removeprefix('eval/')} | {v:.4g} |" for k, v in figures.items()
+                  if isinstance(v, (int, float)) and "reward_errors" not in k]
+        lines.append("")
+    lines += ["## Use", "", "```python"]
+    if kind == "adapter":
+        lines += ["from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
+                  f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), FOLDER)"]
+    else:
+        lines += ["from transformers import AutoModelForCausalLM", "",
+                  "model = AutoModelForCausalLM.from_pretrained(FOLDER)"]
+    lines += ["```", "", "`FOLDER` is this folder. The whole resolved config is in `trainer_state.json` of the "
+              "checkpoint." if kind != "merged" else "`FOLDER` is this folder.", ""]
+    return "\n".join(lines)
