@@ -17,12 +17,13 @@ def model_card(state: dict, kind: Kind) -> str:
     run, algo, batch, optim, lora = cfg["run"], cfg["algo"], cfg["batch"], cfg["optim"], cfg["lora"]
     base = cfg["model"]["path"]
     rewards = ", ".join(f"`{r['name']}` (weight {r['weight']:g})" for r in cfg["rewards"])
+    tags = dict.fromkeys(["tandem", "grpo", "reinforcement-learning", algo["advantage"]]
+                         + (["lora"] if lora["enabled"] else []))
     meta = ["---", f"base_model: {base}", f"library_name: {'peft' if kind == 'adapter' else 'transformers'}",
-            "pipeline_tag: text-generation", "tags:", "- tandem", "- grpo", "- reinforcement-learning",
-            f"- {algo['advantage']}"] + (["- lora"] if lora["enabled"] else []) + ["---", ""]
-    what = {"full": "the policy's weights (full fine-tuning)",
-            "adapter": f"a LoRA adapter (rank {lora['rank']}, alpha {lora['alpha']:g}) in PEFT's format",
-            "merged": f"the policy with its LoRA adapter (rank {lora['rank']}) merged into the base (`tandem export`)"}
+            "pipeline_tag: text-generation", "tags:", *(f"- {t}" for t in tags), "---", ""]
+    what = {"full": "The policy's weights (full fine-tuning)",
+            "adapter": f"A LoRA adapter (rank {lora['rank']}, alpha {lora['alpha']:g}) in PEFT's format",
+            "merged": f"The policy with its LoRA adapter (rank {lora['rank']}) merged into the base (`tandem export`)"}
     lines = meta + [
         f"# {run['name']}", "",
         f"{what[kind]}, after step {step} of {run['steps']} of reinforcement learning from verifiable rewards "
@@ -43,8 +44,9 @@ def model_card(state: dict, kind: Kind) -> str:
     ]
     figures = state.get("eval") or {}
     if figures:
+        sampled = f"; pass@k and mean@k of {cfg['eval']['k']} sampled answers each" if cfg["eval"]["k"] > 1 else ""
         lines += ["## Held-out evaluation", "", f"The latest before this checkpoint, on {cfg['data']['eval_size']} "
-                  "held-out prompts (greedy accuracy; pass@k and mean@k of sampled answers):", "",
+                  f"held-out prompts (greedy accuracy and mean reward{sampled}):", "",
                   "| metric | value |", "|---|---|"]
         lines += [f"| {k.removeprefix('eval/')} | {v:.4g} |" for k, v in figures.items()
                   if isinstance(v, (int, float)) and "reward_errors" not in k]
