@@ -1,0 +1,49 @@
+"""bench/gpu_check.py --dry-run: every check of the GPU script run on the CPU through its own plumbing (argument
+handling, one child process per check, the report), so that the script a lent GPU runs first has not rotted."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")  # its Ray checks run too (tests/conftest.py marks the module: not in --quick)
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _checks() -> list[str]:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return list(mod.CHECKS)
+
+
+# Left out of the suite's dry run for time (each starts a vLLM engine, most of them Ray too, on the CPU: 17-30 s
+# apiece; the whole dry run takes 4 min on 2 cores): moe-sync runs the in-process vLLM path, the suite runs the same
+# placements in tests/workers/test_vllm_*.py, and `python bench/gpu_check.py --dry-run` runs them all by hand.
+HEAVY = ["vllm-sleep", "vllm-train", "colocated-ray", "tp2-engine", "split-channel", "lora-vllm"]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed: its checks would fail")
+def test_the_gpu_checks_pass_their_dry_run_on_the_cpu(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--skip", *HEAVY], capture_output=True,
+                          text=True, timeout=900, cwd=tmp_path)
+    report = done.stdout[done.stdout.rindex("check          result"):] if "check          result" in done.stdout else ""
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    verdicts = {line.split()[0]: line.split()[1] for line in report.splitlines()[1:] if line.strip()}
+    assert verdicts == {name: "PASS" for name in _checks() if name not in HEAVY}, report
+
+
+def test_a_failing_check_fails_the_script_and_the_others_still_report(tmp_path):
+    """A check whose child cannot produce a result (here: one second is too short for any) is a FAIL with its
+    reason; the script exits 1 and still prints every check's line."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "offload", "memory", "--timeout", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "offload        FAIL    no result within 1 s (a hang?)" in done.stdout
+    assert "memory         FAIL    no result within 1 s (a hang?)" in done.stdout
