@@ -1,6 +1,6 @@
 """Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both]
 
 Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
 then tandem, each in a fresh child process (same process tree, same torch thread count), and prints one table:
@@ -10,7 +10,9 @@ tandem/TRL. Then each framework's per-phase seconds (TRL's as far as its methods
 as a share of its step, and each phase against two references measured in the same run: its floor share (the phase's
 FLOPs at the rated matmul rate) and its matrix products alone at the phase's own shapes (a decode step's rows, a
 micro-batch's tokens; `achievable_seconds`), which separates a framework's overhead from the machine's rate at that
-shape. `--engine vllm` samples tandem's rollouts with vLLM in its process (TRL keeps its HF generate).
+shape, and where each phase's time goes (matrix products, decode attention, the rest). `--engine vllm` samples
+tandem's rollouts with vLLM in its process (TRL keeps its HF generate); `--engine both` runs tandem with each
+engine in the same invocation, side by side.
 
 Workloads (both: KL 0.04 with the k3 estimator and a loaded reference model, token-mean loss (TRL's `dapo`),
 clip 0.2, fp32, no gradient checkpointing, no dropping of zero-variance groups, temperature 1, lr 1e-5):
@@ -324,7 +326,7 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
 
 def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf") -> dict:
     """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other)."""
-    result = work / f"{framework}-{w.name}-{w.prompts}x{w.generations}x{w.new_tokens}-c{w.context}.json"
+    result = work / f"{framework}-{engine}-{w.name}-{w.prompts}x{w.generations}x{w.new_tokens}-c{w.context}.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", framework,
@@ -352,8 +354,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="steps run before measuring")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in every process")
     ap.add_argument("--frameworks", nargs="+", default=["trl", "tandem"], choices=["trl", "tandem"])
-    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf",
-                    help="tandem's rollout engine (TRL always samples with its HF generate)")
+    ap.add_argument("--engine", choices=["hf", "vllm", "both"], default="hf",
+                    help="tandem's rollout engine; both: tandem twice, side by side (TRL always samples with its HF "
+                         "generate)")
     ap.add_argument("--child", choices=["trl", "tandem"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -373,6 +376,11 @@ def main() -> None:
     import torch
 
     names = ["small", "large"] if args.workload == "both" else [args.workload]
+    engines = ["hf", "vllm"] if args.engine == "both" else [args.engine]
+    # (label, framework, tandem's engine): TRL once, tandem once per engine
+    runs = [(fw if fw == "trl" or len(engines) == 1 else f"tandem-{e}", fw, e)
+            for fw in args.frameworks for e in (["hf"] if fw == "trl" else engines)]
+    labels = [label for label, _, _ in runs]
     print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, tandem's engine: {args.engine}, "
           f"load average at start={os.getloadavg()}")
     rate = matmul_gflops(args.threads)
@@ -388,56 +396,70 @@ def main() -> None:
             phases = phase_flops(w, params, plen)
             flops = sum(phases.values())
             res = {}
-            for fw in args.frameworks:
+            for label, fw, engine in runs:
                 start = time.perf_counter()
-                res[fw] = summarize(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads,
-                                          args.engine), args.warmup)
-                print(f"  {name:5s} {fw:6s} done in {time.perf_counter() - start:.0f} s, steps: "
-                      + ", ".join(f"{t:.3f}" for t in res[fw]["all"]) + f"; load {os.getloadavg()[0]:.2f}",
+                res[label] = summarize(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads,
+                                             engine), args.warmup)
+                print(f"  {name:5s} {label:6s} done in {time.perf_counter() - start:.0f} s, steps: "
+                      + ", ".join(f"{t:.3f}" for t in res[label]["all"]) + f"; load {os.getloadavg()[0]:.2f}",
                       flush=True)
             gemms = achievable_seconds(w, vocab_size(work / f"model-{name}"), plen)
             table.append((w, params, flops, steps, res, phases, gemms, decode_attention_seconds(w, plen)))
 
     floor_note = f"floor = FLOPs / {rate:.1f} GFLOP/s"
     print(f"\nthreads={args.threads}; s/step = median of the measured steps after {args.warmup} warm-up; {floor_note}")
-    head = f"{'workload':9s} {'framework':9s} {'s/step':>8s} {'compl tok/s':>11s} {'peak RSS MB':>11s} " \
+    head = f"{'workload':11s} {'framework':11s} {'s/step':>8s} {'compl tok/s':>11s} {'peak RSS MB':>11s} " \
            f"{'GFLOP/step':>10s} {'floor s':>8s} {'x floor':>7s} {'tandem/TRL':>10s}"
     print(head)
     print("-" * len(head))
     for w, params, flops, steps, res, *_ in table:
         floor = flops / (rate * 1e9)
         for fw, r in res.items():
-            ratio = f"{r['s_step'] / res['trl']['s_step']:.2f}" if fw == "tandem" and "trl" in res else ""
-            print(f"{w.name:9s} {fw:9s} {r['s_step']:8.3f} {r['tok_s']:11.0f} {r['rss_mb']:11.0f} "
+            ratio = f"{r['s_step'] / res['trl']['s_step']:.2f}" if fw.startswith("tandem") and "trl" in res else ""
+            print(f"{w.name:11s} {fw:11s} {r['s_step']:8.3f} {r['tok_s']:11.0f} {r['rss_mb']:11.0f} "
                   f"{flops / 1e9:10.1f} {floor:8.3f} {r['s_step'] / floor:7.2f} {ratio:>10s}")
-        print(f"{'':9s} ({params / 1e6:.2f} M params, {w.prompts}x{w.generations} x {w.new_tokens} tokens, "
+        print(f"{'':11s} ({params / 1e6:.2f} M params, {w.prompts}x{w.generations} x {w.new_tokens} tokens, "
               f"{steps} measured steps)")
     print("\nper-phase seconds (median over measured steps; TRL: rollout = _generate, logprobs = the rest of "
           "_generate_and_score_completions, update = the rest of the step)")
     for w, _, _, _, res, *_ in table:
         for fw, r in res.items():
             print(f"  {w.name:5s} {fw:6s} " + "  ".join(f"{k}={v:.3f}" for k, v in r["phases"].items()))
-        if "tandem" in res:
-            r = res["tandem"]
-            print(f"  {w.name:5s} tandem weight sync ({args.engine} engine, one process): "
-                  f"{100 * r['phases']['sync'] / r['s_step']:.3f}% of the step")
+        for label, fw, engine in runs:
+            if fw == "tandem":
+                r = res[label]
+                print(f"  {w.name:5s} {label} weight sync ({engine} engine, one process): "
+                      f"{100 * r['phases']['sync'] / r['s_step']:.3f}% of the step")
     print(f"\neach phase against its floor share (its FLOPs / {rate:.1f} GFLOP/s) and against its matrix products "
           "alone at the phase's own shapes (`achievable_seconds`: the machine's rate there, no framework)")
     head = f"{'workload':9s} {'phase':9s} {'floor s':>8s} {'GEMMs s':>8s} {'GEMM GF/s':>9s} " + \
-        " ".join(f"{fw + ' s':>9s} {'x floor':>7s} {'x GEMMs':>7s}" for fw in args.frameworks)
+        " ".join(f"{fw + ' s':>11s} {'x floor':>7s} {'x GEMMs':>7s}" for fw in labels)
     print(head)
     print("-" * len(head))
     for w, _, _, _, res, phases, gemms, _ in table:
         for phase, fl in phases.items():
             floor, alone = fl / (rate * 1e9), gemms[phase]
             line = f"{w.name:9s} {phase:9s} {floor:8.3f} {alone:8.3f} {fl / alone / 1e9:9.1f} "
-            for fw in args.frameworks:
+            for fw in labels:
                 t = res[fw]["phases"][phase]
-                line += f"{t:9.3f} {t / floor:7.2f} {t / alone:7.2f} "
+                line += f"{t:11.3f} {t / floor:7.2f} {t / alone:7.2f} "
             print(line)
     for w, *_, attention in table:
         print(f"{w.name} rollout: its attention alone (SDPA, one query per row, all layers and steps) takes "
               f"{attention:.3f} s on top of its matrix products")
+    print("\nwhere each phase's time goes: its matrix products alone, the rollout's decode attention alone (both "
+          "measured above), and the rest (overhead: dispatch, Python, sampling, copies), as shares of the phase")
+    head = f"{'workload':9s} {'phase':9s} " + " ".join(f"{fw + ' GEMM':>13s} {'attn':>5s} {'rest':>5s}" for fw in labels)
+    print(head)
+    print("-" * len(head))
+    for w, _, _, _, res, phases, gemms, attention in table:
+        for phase in phases:
+            line = f"{w.name:9s} {phase:9s} "
+            for fw in labels:
+                t = res[fw]["phases"][phase]
+                attn = attention if phase == "rollout" else 0.0
+                line += f"{gemms[phase] / t:13.2f} {attn / t:5.2f} {max(0.0, t - gemms[phase] - attn) / t:5.2f} "
+            print(line)
     print(f"load average at end={os.getloadavg()}")
 
 
