@@ -233,7 +233,7 @@ class Cadence:
         evaluated = {k: v for k, v in final.items() if k.startswith("eval/")}
         self.summary.update(evaluated)
         out, trackers = Path(self.run.cfg.run.output_dir), self.metrics.trackers
-        if self.run.last_eval is not None:  # the last step's (a resume of a finished run evaluates nothing)
+        if self.run.last_eval is not None:  # the last step's evaluation (every run evaluates after its last step)
             write_json(out / RESULTS_FILE, results(self.run.last_eval, self.run.cfg))
         trackers.final(self.done, evaluated)
         if self.run.cfg.run.plots and (curves := self.metrics.plot()) is not None:
