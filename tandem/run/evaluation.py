@@ -115,21 +115,21 @@ def results(evaluation: Evaluation, cfg) -> dict:
 
 
 def write_json(path: str | Path, doc) -> Path:
-    """`doc` as indented JSON at `path`, written beside it and renamed into place (never half written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    """`doc` as indented JSON at `path`, never half written (`_write_whole`)."""
+    return _write_whole(path, json.dumps(doc, indent=2) + "\n")
 
 
 def write_samples(path: str | Path, evaluation: Evaluation) -> Path:
     """Every evaluated completion as one JSON line: prompt index, task, question, greedy or sampled, the completion,
     its reward and each reward function's score."""
+    return _write_whole(path, "".join(json.dumps(s) + "\n" for s in evaluation.samples))
+
+
+def _write_whole(path: str | Path, text: str) -> Path:
+    """`text` written beside `path` and renamed into place: a reader sees the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(s) + "\n" for s in evaluation.samples))
+    tmp.write_text(text)
     os.replace(tmp, path)
     return path
