@@ -84,6 +84,11 @@ def check_supported(cfg) -> None:
                                    ("placement.expert_parallel > 1", pl.expert_parallel > 1),
                                    ("sharded training (FSDP)", parallel)) if on]
     known = SUPPORT.get(kind)
+    if pl.schedule == "stream" and kind not in STREAMED:
+        name = known.name if known else "an architecture outside the model zoo"
+        raise ConfigError(f"placement.schedule: stream decodes with the hf engine's continuous batching, built for "
+                          f"{', '.join(STREAMED)} layers; model.path is {name} ({kind!r}): use "
+                          "placement.schedule: async")
     if known is None:
         if wants:
             raise ConfigError(
@@ -95,6 +100,9 @@ def check_supported(cfg) -> None:
         return
     if pl.expert_parallel > 1:
         _check_expert_parallel(cfg.model.path, pl.expert_parallel, kind, known)
+
+
+STREAMED = ("qwen2", "llama")  # the architectures whose layers tandem.rollout.llama_decode reproduces
 
 
 # Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints

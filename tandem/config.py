@@ -204,6 +204,27 @@ class RolloutConfig(Section):
         False, description="Keep sampling past EOS: every completion is max_new_tokens long (stop strings and "
         "stop_token_ids still stop). For benchmarks at a fixed length; training normally wants EOS.",
     )
+    max_in_flight: int = Field(
+        0, ge=0, description="placement.schedule: stream: the requests (completions) each sampler keeps decoding "
+        "at once; new ones start as others stop. 0 = batch.prompts_per_step x batch.group_size (a step's rows). "
+        "More keeps a long-tailed batch busier and holds more KV cache.",
+    )
+    partial: Literal["drop", "resume"] = Field(
+        "drop", description="placement.schedule: stream: a request whose first tokens the staleness bound leaves "
+        "behind (sampled more than placement.max_staleness versions before the step that would train them). "
+        "`drop` (the default): it begins again under the new weights, and a finished group that waited too long "
+        "goes back to be sampled again, so every trained token is within the bound and every sequence's tokens come "
+        "from at most max_staleness + 1 versions. `resume`: its tokens so far stay and generation goes on (the "
+        "prefix prefilled under the new weights); the tokens beyond the bound stay as context but are masked out of "
+        "the loss. drop wastes the long requests' work; resume keeps it but trains each such sequence on its later "
+        "tokens only, which is why it is not the default.",
+    )
+    in_flight_weights: bool = Field(
+        True, description="placement.schedule: stream: new weights load between two decode steps while requests "
+        "are in flight (each token records the version that sampled it; the prefixes in flight are prefilled again "
+        "under the new weights). false: new weights wait until the requests in flight have stopped, and no new one "
+        "starts meanwhile, so every sequence comes from one version, at the cost of a drain per update.",
+    )
     sync_bucket_mb: int = Field(
         64, ge=1, description="A weight sync moves the trainer's tensors in buckets of about this many MiB, which "
         "bounds its extra memory: into a vLLM engine (a fused module is never split), over the weight channel to "
@@ -293,6 +314,18 @@ class AlgoConfig(Section):
     tis_cap: float | None = Field(
         None, gt=0.0, description="Truncated importance sampling (Yao et al. 2025): weight each token's loss by "
         "min(pi_old / pi_sampler, cap) to correct sampler/trainer mismatch (vLLM numerics, async). None = off; 2.0 is common.",
+    )
+    is_mask: Literal["none", "token", "sequence"] = Field(
+        "none", description="Masked importance sampling (tandem.algo.IS_MASKS), an alternative to tis_cap: weigh "
+        "each token's loss by the ratio r = pi_old / pi_sampler, but drop what leaves `is_mask_band` from the loss "
+        "instead of capping it. `token`: IcePop, each token by its own ratio, masked outside the band. `sequence`: "
+        "MIS, each sequence by its geometric-mean ratio, masked whole outside the band. For samples whose policy is "
+        "far from the trainer's (placement.schedule: stream under rollout.partial: resume mixes versions within a "
+        "sequence; vLLM numerics). `is_masked_frac` reports the share masked. none = off.",
+    )
+    is_mask_band: tuple[float, float] = Field(
+        (0.5, 2.0), description="The ratios [low, high] is_mask keeps (low <= 1 <= high). The default is symmetric "
+        "in log space (a factor of 2 either way); IcePop's paper uses [0.5, 5].",
     )
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and "
@@ -450,16 +483,23 @@ class PlacementConfig(Section):
     )
     train_workers: int = Field(1, ge=1, description="split: trainer processes.")
     rollout_workers: int = Field(1, ge=1, description="split: sampler instances (data parallel; prompts are balanced by expected tokens).")
-    schedule: Literal["sync", "async"] = Field(
+    schedule: Literal["sync", "async", "stream"] = Field(
         "sync", description="`sync`: sample, then train, each step. `async` (split only): the samplers generate the "
         "next batches while the trainers train, at most `max_staleness` policy versions behind; the loss corrects "
-        "for it with the sampler's logprobs: they are the clipped ratio's old policy, or with algo.tis_cap the "
-        "trainer recomputes that one and the truncated weight pi_old / pi_sampler corrects the staleness.",
+        "for it with the sampler's logprobs: they are the clipped ratio's old policy, or with algo.tis_cap (or "
+        "algo.is_mask) the trainer recomputes that one and the importance weight pi_old / pi_sampler corrects the "
+        "staleness. `stream` (split, or one process; the hf engine, Qwen2/Llama models): each sampler keeps "
+        "rollout.max_in_flight requests decoding and starts new ones as others stop, across step boundaries; a step "
+        "trains as soon as batch.prompts_per_step groups have finished (scored as they arrive), new weights land "
+        "between decode steps (rollout.in_flight_weights) and the staleness bound holds per token "
+        "(rollout.partial). The same loss correction as async. In one process the stream decodes only while the "
+        "step waits for groups: it carries requests across updates but overlaps nothing.",
     )
     max_staleness: int = Field(
         1, ge=1, description="async: how many batches the samplers work ahead of the one being trained, and so the "
         "most policy versions a trained batch lags the trainer (the schedule never goes further; a batch older than "
-        "this would stop the run with an error, never be trained on).",
+        "this would stop the run with an error, never be trained on). stream: the most versions any trained token "
+        "lags the trainer (see rollout.partial), and groups are started at most (max_staleness + 1) steps' worth ahead.",
     )
     offload: bool | Literal["auto"] = Field(
         "auto", description="Colocated workers move the idle side off the compute device bucket by bucket: policy "
@@ -545,8 +585,9 @@ class Config(Section):
     def old_logprobs(self) -> OldLogprobs:
         """The old-logprob source this config trains with (see OldLogprobs)."""
         a = self.algo
-        if self.placement.schedule == "async":
-            return OldLogprobs.RECOMPUTED if a.tis_cap is not None else OldLogprobs.SAMPLER
+        if self.placement.schedule in ("async", "stream"):
+            corrected = a.tis_cap is not None or a.is_mask != "none"
+            return OldLogprobs.RECOMPUTED if corrected else OldLogprobs.SAMPLER
         if a.mu == 1 and self.batch.mini_batches == 1 and not a.kl_in_reward:
             return OldLogprobs.CURRENT
         return OldLogprobs.RECOMPUTED
@@ -568,6 +609,13 @@ class Config(Section):
             raise ConfigError(
                 f"batch.group_size: {self.batch.group_size} leaves every GRPO advantage at 0 (a group of one has no "
                 "relative reward); use group_size >= 2, or algo.advantage: reinforce_pp (no group baseline)")
+        if a.is_mask != "none" and a.tis_cap is not None:
+            raise ConfigError(f"algo.is_mask: {a.is_mask} with algo.tis_cap: {a.tis_cap}: both weigh the loss by pi_old / "
+                              "pi_sampler, one capping it, one masking outside a band; set one of them")
+        low, high = a.is_mask_band
+        if not 0 < low <= 1 <= high:
+            raise ConfigError(f"algo.is_mask_band: [{low}, {high}] must hold 1 with 0 < low <= 1 <= high (a ratio "
+                              "of 1, a token sampled by the trainer's own policy, is always kept)")
         if a.kl_in_reward and a.kl_coef == 0:
             raise ConfigError("algo.kl_in_reward: true needs algo.kl_coef > 0 (the penalty's weight)")
         if a.kl_ratio_correction and (a.kl_coef == 0 or a.kl_in_reward):
@@ -603,6 +651,21 @@ class Config(Section):
             raise ConfigError("rewards: empty; name at least one reward function")
         return self
 
+    def _stream_checks(self) -> None:
+        """What placement.schedule: stream runs on (so far): the hf engine, split placement or one process, single
+        turns."""
+        pl, r = self.placement, self.rollout
+        if pl.mode == "colocate" and pl.backend == "ray":
+            raise ConfigError("placement.schedule: stream runs in split placement or in one process "
+                              "(placement.backend: local); colocated Ray workers time-slice their devices, so there "
+                              "is nothing to stream into; use placement.mode: split")
+        if r.engine != "hf":
+            raise ConfigError("placement.schedule: stream needs rollout.engine: hf for now (vLLM's in-flight weight "
+                              "loads are not built yet); use rollout.engine=hf, or placement.schedule: async")
+        if self.env.name:
+            raise ConfigError("placement.schedule: stream samples single turns for now; env.name multi-turn "
+                              "conversations need placement.schedule: async or sync")
+
     @model_validator(mode="after")
     def _placement_checks(self) -> "Config":
         """Where the workers run, and what the engines and adapters need of that."""
@@ -628,6 +691,8 @@ class Config(Section):
         if pl.schedule == "async" and pl.mode != "split":
             raise ConfigError("placement.schedule: async needs placement.mode: split (colocated workers time-slice "
                               "one device: there is nothing to overlap); use schedule: sync or mode: split")
+        if pl.schedule == "stream":
+            self._stream_checks()
         r = self.rollout
         if r.tensor_parallel > 1 and r.engine != "vllm":
             raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} needs rollout.engine: vllm (the "

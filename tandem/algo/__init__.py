@@ -2,6 +2,7 @@
 from tandem.algo.core import (  # noqa: F401
     ADVANTAGES,
     AGGREGATIONS,
+    IS_MASKS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     LossParams,
@@ -17,6 +18,7 @@ from tandem.algo.core import (  # noqa: F401
     overlong_penalty,
     register_advantage,
     register_aggregation,
+    register_is_mask,
     register_kl,
     register_policy_loss,
     tis_weights,

@@ -13,6 +13,7 @@ Besides the four registries, this module holds the pure helpers of the GRPO fami
 - `nonzero_variance_groups`, `first_k_groups`: DAPO's dynamic sampling.
 - `overlong_penalty`, `truncation_mask`: DAPO's overlong reward shaping and overlong filtering.
 - `tis_weights`: truncated importance sampling against the sampler's logprobs (Yao et al. 2025).
+- `IS_MASKS` (a fifth registry): masked importance sampling, IcePop's token-level band and MIS's sequence-level one.
 - `aggregation_totals`: the mini-batch totals every aggregation divides by.
 """
 from __future__ import annotations
@@ -43,8 +44,10 @@ ADVANTAGES: Registry[Advantage] = Registry("advantage", Advantage)
 POLICY_LOSSES: Registry[Callable[..., tuple[Tensor, dict[str, Tensor]]]] = Registry("policy loss")
 KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL estimator")
 AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry("loss aggregation")
+IS_MASKS: Registry[Callable[..., tuple[Tensor, Tensor]]] = Registry("importance-sampling mask")
 register_advantage, register_policy_loss = ADVANTAGES.register, POLICY_LOSSES.register
 register_kl, register_aggregation = KL_ESTIMATORS.register, AGGREGATIONS.register
+register_is_mask = IS_MASKS.register
 
 # exp() of a log-ratio beyond this overflows float16/bfloat16 ranges or explodes a gradient; clamp first.
 _MAX_LOG_RATIO = 20.0
@@ -330,6 +333,39 @@ def tis_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float
     return ratio.clamp(max=cap) * mask, capped.to(ratio.dtype)
 
 
+# ---------------------------------------------------------------------------------------------- masked IS
+# Masked importance sampling: like TIS, weigh each token's policy loss by the ratio r = pi_old / pi_sampler (the
+# trainer's old policy over the policy, or policies, that sampled it), but where the ratio leaves a band [low, high]
+# drop the token (or the whole sequence) from the loss instead of capping its weight: a token drawn under a policy
+# far from the trainer's (weights several versions old in a stream, a numerics mismatch) then pushes on nothing,
+# where a capped weight would still push on it. Signature: (old_logp[B,T], sampler_logp[B,T], mask[B,T], low, high)
+# -> (weight [B,T] detached, 0 on padding and on masked tokens; masked [B,T], 1 on each real token the band masked).
+
+
+@register_is_mask("token")
+def icepop_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, low: float, high: float
+                   ) -> tuple[Tensor, Tensor]:
+    """IcePop (Ling team 2025, "Small leak can sink a great ship"): each token weighted by its own ratio r_t when
+    low <= r_t <= high, masked (weight 0) outside: two-sided, token by token."""
+    ratio = torch.exp((old_logp - sampler_logp).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    inside = (ratio >= low) & (ratio <= high)
+    return torch.where(inside, ratio, torch.zeros_like(ratio)) * mask, (~inside & (mask > 0)).to(ratio.dtype)
+
+
+@register_is_mask("sequence")
+def sequence_masked_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, low: float, high: float
+                            ) -> tuple[Tensor, Tensor]:
+    """Sequence-level masked importance sampling (MIS; verl's rollout_is mask mode at its geometric level): each
+    sequence weighted by its geometric-mean ratio rho = exp(mean_t log r_t) over its real tokens, and masked whole
+    when rho leaves [low, high]. The geometric mean keeps rho near 1 however long the sequence, where the product
+    of its ratios would leave any band."""
+    log_r = (old_logp - sampler_logp).detach() * mask
+    rho = torch.exp((log_r.sum(-1) / mask.sum(-1).clamp(min=1)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    inside = ((rho >= low) & (rho <= high)).unsqueeze(-1)
+    weight = torch.where(inside, rho.unsqueeze(-1), torch.zeros_like(rho).unsqueeze(-1)) * mask
+    return weight, (~inside & (mask > 0)).to(weight.dtype)
+
+
 # ---------------------------------------------------------------------------------------------- aggregation
 # A step's sequences are split into micro-batches (a token budget); each micro-batch adds its share of the
 # mini-batch loss, so the sum over micro-batches equals the loss over the whole mini-batch however it is split.
@@ -431,6 +467,8 @@ class LossSpec:
     kl_ratio_correction: bool = False  # multiply the KL estimate by pi / pi_old (see above)
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    is_mask: str = "none"  # an IS_MASKS name, or "none"
+    is_mask_band: tuple[float, float] = (0.5, 2.0)  # the ratios [low, high] it keeps
 
     @classmethod
     def from_algo(cls, algo) -> "LossSpec":
@@ -441,6 +479,7 @@ class LossSpec:
                               seq_clip_low=algo.gspo_clip_low, seq_clip_high=algo.gspo_clip_high),
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
             kl_ratio_correction=algo.kl_ratio_correction, entropy_coef=algo.entropy_coef, tis_cap=algo.tis_cap,
+            is_mask=algo.is_mask, is_mask_band=tuple(algo.is_mask_band),
         )
 
 
@@ -459,9 +498,10 @@ def _registered(table: dict, name: str, field: str) -> Callable:
 def token_loss(spec: LossSpec, logp: Tensor, advantages: Tensor, mask: Tensor, *, old_logp: Tensor | None = None,
                sampler_logp: Tensor | None = None, ref_logp: Tensor | None = None, entropy: Tensor | None = None
                ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token loss [B,T] = policy loss x TIS weight + KL term + entropy term; and per-token metrics [B,T]
-    ("clip_frac", "ratio", "dual_clip_frac" when dual clip is on, "tis_capped" when tis_cap is set, "kl" when the KL
-    term is on: the per-token KL estimate the loss weighs by kl_coef), each NOT yet masked-summed: the caller sums
+    """Per-token loss [B,T] = policy loss x IS weight (TIS's, or a masked one) + KL term + entropy term; and
+    per-token metrics [B,T] ("clip_frac", "ratio", "dual_clip_frac" when dual clip is on, "tis_capped" when tis_cap
+    is set, "is_masked" when is_mask is, "kl" when the KL term is on: the per-token KL estimate the loss weighs by
+    kl_coef), each NOT yet masked-summed: the caller sums
     (m * mask) for each key. old_logp None = on-policy: the update's own forward, detached (logp.detach()), is the
     old policy. Aggregate the loss with an AGGREGATIONS function.
     """
@@ -471,6 +511,11 @@ def token_loss(spec: LossSpec, logp: Tensor, advantages: Tensor, mask: Tensor, *
     if spec.tis_cap is not None:
         w, metrics["tis_capped"] = tis_weights(old, _needed(sampler_logp, "sampler_logp", "tis_cap is set"), mask,
                                                spec.tis_cap)
+        loss = loss * w
+    if spec.is_mask != "none":
+        mask_fn = _registered(IS_MASKS, spec.is_mask, "is_mask")
+        w, metrics["is_masked"] = mask_fn(old, _needed(sampler_logp, "sampler_logp", "is_mask is set"), mask,
+                                          *spec.is_mask_band)
         loss = loss * w
     if spec.kl_coef > 0:
         kl_fn = _registered(KL_ESTIMATORS, spec.kl_estimator, "kl_estimator")

@@ -182,12 +182,15 @@ def tokenize_rows(rows: list[dict], tokenizer, chat_template: bool, system_promp
 
 
 class PromptStream:
-    """Endless prompts in a reshuffled order each epoch; the position (epoch, index) is the whole state."""
+    """Endless prompts in a reshuffled order each epoch; the position (epoch, index) is the state, with the prompts
+    to sample again before going on (`redo`: a streaming run's groups that were in flight, or dropped as stale)."""
 
     def __init__(self, prompts: list[Prompt], seed: int):
         self.prompts, self.seed = prompts, seed
         self.epoch, self.index = 0, 0
+        self.redo: list[int] = []  # indices into `prompts`, taken first
         self._order = self._shuffled(0)
+        self._index_of = {id(p): i for i, p in enumerate(prompts)}
 
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
@@ -196,6 +199,8 @@ class PromptStream:
 
     def take(self, k: int) -> list[Prompt]:
         out = []
+        while self.redo and len(out) < k:
+            out.append(self.prompts[self.redo.pop(0)])
         while len(out) < k:
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -204,9 +209,19 @@ class PromptStream:
             self.index += 1
         return out
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+    def index_of(self, prompt: Prompt) -> int:
+        """`prompt`'s index in `prompts` (one this stream gave out)."""
+        return self._index_of[id(prompt)]
+
+    def state_dict(self, redo: list[Prompt] = ()) -> dict:
+        """The position; with `redo`, prompts to sample again first (before the stream's own)."""
+        state = {"epoch": self.epoch, "index": self.index}
+        again = [self.index_of(p) for p in redo] + self.redo
+        if again:
+            state["redo"] = again
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.index = state["epoch"], state["index"]
+        self.redo = list(state.get("redo", []))
         self._order = self._shuffled(self.epoch)

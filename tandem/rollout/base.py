@@ -30,6 +30,13 @@ class Sampling:
     # A placement that shares prompts over engines passes each prompt's seed in the whole batch, so the samples
     # do not depend on how many engines there are.
     seeds: tuple[int, ...] = ()
+    # Per-prompt completion limits (each at most max_new_tokens; a prompt row's `max_new_tokens`): prompt i's
+    # completions stop at max_tokens[i] tokens (finish_reason "length"). Empty: max_new_tokens for every prompt.
+    max_tokens: tuple[int, ...] = ()
+
+    def limit(self, i: int) -> int:
+        """Prompt i's completion limit."""
+        return int(self.max_tokens[i]) if self.max_tokens else int(self.max_new_tokens)
 
 
 @dataclass
@@ -50,6 +57,9 @@ class Completion:
     # prompt_ids + completion_ids to, for every position but the last (whose output nothing uses), in
     # `tandem.moe.route_dtype`; positions past its end (an environment's last tokens) have none. None: not recorded.
     routes: torch.Tensor | None = None
+    # Streaming (placement.schedule: stream): the policy version that sampled each completion token (its weights may
+    # change mid-sequence). None: every token was sampled by the rollout's version.
+    versions: list[int] | None = None
 
     @property
     def sampled_tokens(self) -> int:

@@ -94,6 +94,9 @@ class HFEngine:
         if sampling.seeds and len(sampling.seeds) != len(prompts):
             raise ValueError(f"generate: {len(sampling.seeds)} seeds for {len(prompts)} prompts (Sampling.seeds is "
                              "one per prompt)")
+        if sampling.max_tokens and len(sampling.max_tokens) != len(prompts):
+            raise ValueError(f"generate: {len(sampling.max_tokens)} limits for {len(prompts)} prompts "
+                             "(Sampling.max_tokens is one per prompt)")
         n, dev = sampling.n, self.device
         seeds = sampling.seeds or (self.seed if sampling.seed is None else sampling.seed,)
         gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
@@ -108,7 +111,9 @@ class HFEngine:
             tokens: list[torch.Tensor] = []
             logps: list[torch.Tensor] = []
             texts: list[str | None] = [None] * B
-            for _ in range(sampling.max_new_tokens):
+            limits = torch.tensor([sampling.limit(i // n) for i in range(B)], device=dev)
+            capped = torch.zeros(B, dtype=torch.bool, device=dev)  # stopped at their own limit, below max_new_tokens
+            for _ in range(int(limits.max())):
                 tok, lp = _draw(logits.float(), sampling, gens, n)
                 tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
                 tokens.append(tok)
@@ -118,13 +123,18 @@ class HFEngine:
                 if sampling.stop:
                     hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts).to(dev)
                 finished |= hit
+                if sampling.max_tokens:
+                    at_limit = (lengths >= limits) & ~finished
+                    capped |= at_limit
+                    finished |= at_limit
                 if bool(finished.all()):
                     break
                 logits = step(tok, next_pos)
                 next_pos = next_pos + 1
         routes = None if record is None else moe.sampled_routes(record.forwards(), [len(p) for p in prompts], n,
                                                                 lengths.tolist())
-        return self._completions(rows, n, tokens, logps, lengths.tolist(), finished.tolist(), texts, routes)
+        return self._completions(rows, n, tokens, logps, lengths.tolist(), (finished & ~capped).tolist(), texts,
+                                 routes)
 
     def _prefill(self, prompts: list[list[int]], n: int, max_new_tokens: int):
         """Each prompt once (a group's n rows share it); the first logits of every row, the rows' next positions,

@@ -12,18 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_SUPPORTED = ("qwen2", "llama")
+_SUPPORTED = ("qwen2", "llama")  # tandem.architectures.STREAMED names these too
 
 
-def supports(model) -> bool:
-    """True for the architectures whose decoder layer this module reproduces exactly, on CPU.
-
-    CPU only: there per-op dispatch dominates a small model's decode step, and the fused projection weights (one
-    extra copy of the attention and MLP weights, held for one `generate` call) cost host memory, which is plentiful;
-    an accelerator keeps the HF forward and its memory.
-    """
-    if next(model.parameters()).device.type != "cpu":
-        return False
+def decodes(model) -> bool:
+    """True for the architectures whose decoder layer this module reproduces exactly (on any device)."""
     cfg = model.config
     if cfg.model_type not in _SUPPORTED or getattr(cfg, "hidden_act", None) != "silu":
         return False
@@ -33,6 +26,16 @@ def supports(model) -> bool:
         return False
     attn = model.model.layers[0].self_attn
     return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
+
+
+def supports(model) -> bool:
+    """True for the architectures whose decoder layer this module reproduces exactly, on CPU.
+
+    CPU only: there per-op dispatch dominates a small model's decode step, and the fused projection weights (one
+    extra copy of the attention and MLP weights, held for one `generate` call) cost host memory, which is plentiful;
+    an accelerator keeps the HF forward and its memory.
+    """
+    return next(model.parameters()).device.type == "cpu" and decodes(model)
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -81,7 +84,6 @@ class StaticDecoder:
         self.head_dim, self.scaling = a.head_dim, a.scaling
         self.heads = model.config.num_attention_heads
         self.kv_heads = model.config.num_key_value_heads
-        self.inter = self.layers[0].mlp.gate_proj.out_features
         self.n = n
         U, P = prompt_mask.shape
         self.prompt_len = P
@@ -89,8 +91,8 @@ class StaticDecoder:
         repeated = (n - 1) * U * P * self.kv_heads * self.head_dim * 2 * p.element_size()  # keys and values
         self.shared = n > 1 and repeated >= SHARED_PROMPT_MIN_BYTES
         own = max_new if self.shared else P + max_new  # slots of a row's own cache
-        self.prompt_k, self.prompt_v, self.k, self.v, self.w = [], [], [], [], []
-        for i, layer in enumerate(self.layers):
+        self.prompt_k, self.prompt_v, self.k, self.v = [], [], [], []
+        for i in range(len(self.layers)):
             k0, v0 = _layer_kv(cache, i)  # [U, kv_heads, P, head_dim]
             k = torch.empty((U * n, self.kv_heads, own, self.head_dim), dtype=k0.dtype, device=p.device)
             v = torch.empty_like(k)
@@ -102,20 +104,7 @@ class StaticDecoder:
                 v[:, :, :P] = v0.repeat_interleave(n, dim=0)
             self.k.append(k)
             self.v.append(v)
-            at, mlp = layer.self_attn, layer.mlp
-            projs = (at.q_proj, at.k_proj, at.v_proj)
-            qkv_b = None
-            if any(m.bias is not None for m in projs):
-                qkv_b = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=p.dtype,
-                                                                                  device=p.device) for m in projs])
-            gu_b = None
-            if mlp.gate_proj.bias is not None:
-                gu_b = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
-            self.w.append((
-                layer.input_layernorm, torch.cat([m.weight for m in projs]), qkv_b, at.o_proj.weight, at.o_proj.bias,
-                layer.post_attention_layernorm, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gu_b,
-                mlp.down_proj.weight, mlp.down_proj.bias,
-            ))
+        self.w = fused_layers(model)
         if self.shared:  # added to a prompt's attention scores: -inf on its left padding
             self.prompt_bias = torch.zeros((U, 1, 1, P), dtype=torch.float32, device=p.device)
             self.prompt_bias.masked_fill_(~prompt_mask.bool()[:, None, None, :], float("-inf"))
@@ -127,28 +116,21 @@ class StaticDecoder:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] of the next token after feeding `tokens` [B] at `positions` [B] (B = U * n rows, the n rows
         of each prompt next to each other)."""
-        B, H, KV, D, I = tokens.shape[0], self.heads, self.kv_heads, self.head_dim, self.inter
         slot = self.generated if self.shared else self.prompt_len + self.generated  # this token's cache slot
-        x = self.model.model.embed_tokens(tokens)  # [B, hidden]
-        cos, sin = self.model.model.rotary_emb(x, positions[:, None])  # [B, 1, D]: broadcasts over heads
-        for i, (n1, w_qkv, b_qkv, w_o, b_o, n2, w_gu, b_gu, w_d, b_d) in enumerate(self.w):
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k[i], self.v[i]
-            qkv = F.linear(_rms_norm(x, n1), w_qkv, b_qkv).view(B, H + 2 * KV, D)
-            qk = qkv[:, : H + KV]
-            qk = qk * cos + _rotate_half(qk) * sin  # rotary on q and k heads together
-            kc[:, :, slot] = qk[:, H:]
-            vc[:, :, slot] = qkv[:, H + KV:]
+            kc[:, :, slot] = k
+            vc[:, :, slot] = v
             if self.shared:
-                o = self._split_attention(qk[:, :H], i, slot + 1)
-            else:
-                o = F.scaled_dot_product_attention(qk[:, :H].unsqueeze(2), kc[:, :, : slot + 1], vc[:, :, : slot + 1],
-                                                   attn_mask=self.mask[:, None, None, : slot + 1], scale=self.scaling,
-                                                   enable_gqa=H != KV)
-            x = x + F.linear(o.reshape(B, H * D), w_o, b_o)
-            gu = F.linear(_rms_norm(x, n2), w_gu, b_gu)
-            x = x + F.linear(F.silu(gu[:, :I]) * gu[:, I:], w_d, b_d)
+                return self._split_attention(q, i, slot + 1)
+            return F.scaled_dot_product_attention(q.unsqueeze(2), kc[:, :, : slot + 1], vc[:, :, : slot + 1],
+                                                  attn_mask=self.mask[:, None, None, : slot + 1], scale=self.scaling,
+                                                  enable_gqa=self.heads != self.kv_heads)
+
+        logits = decode_layers(self.model, self.w, tokens, positions, attend)
         self.generated += 1
-        return F.linear(_rms_norm(x, self.model.model.norm), self.model.lm_head.weight)
+        return logits
 
     def _split_attention(self, q: torch.Tensor, layer: int, own: int) -> torch.Tensor:
         """Attention of the rows' queries [B, H, D] over their prompt's shared keys and their `own` generated ones:
@@ -162,6 +144,142 @@ class StaticDecoder:
         weights = torch.softmax(torch.cat([on_prompt, on_own], dim=-1).float(), dim=-1).to(q.dtype)
         o = _by_row(torch.matmul(_by_prompt(weights[..., : self.prompt_len], U, n), pv), U, n)
         return o + torch.matmul(weights[..., self.prompt_len:], vc[:, :, :own])
+
+
+def decode_layers(model, fused: list[tuple], tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+    """One token per row through every layer (`fused`: `fused_layers(model)`): logits [B, V]. `attend(layer, q [B,
+    H, D], k [B, KV, D], v [B, KV, D])` stores the row's new key and value where its cache keeps them and returns
+    its attention output ([B, H, D], or any shape of B x H*D values)."""
+    cfg = model.config
+    B, H, KV = tokens.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads
+    D, I = model.model.layers[0].self_attn.head_dim, model.model.layers[0].mlp.gate_proj.out_features
+    x = model.model.embed_tokens(tokens)  # [B, hidden]
+    cos, sin = model.model.rotary_emb(x, positions[:, None])  # [B, 1, D]: broadcasts over heads
+    for i, (n1, w_qkv, b_qkv, w_o, b_o, n2, w_gu, b_gu, w_d, b_d) in enumerate(fused):
+        qkv = F.linear(_rms_norm(x, n1), w_qkv, b_qkv).view(B, H + 2 * KV, D)
+        qk = qkv[:, : H + KV]
+        qk = qk * cos + _rotate_half(qk) * sin  # rotary on q and k heads together
+        o = attend(i, qk[:, :H], qk[:, H:], qkv[:, H + KV:])
+        x = x + F.linear(o.reshape(B, H * D), w_o, b_o)
+        gu = F.linear(_rms_norm(x, n2), w_gu, b_gu)
+        x = x + F.linear(F.silu(gu[:, :I]) * gu[:, I:], w_d, b_d)
+    return F.linear(_rms_norm(x, model.model.norm), model.lm_head.weight)
+
+
+class SlotDecoder:
+    """Continuous batching for the streaming schedule: up to `slots` rows, each with a KV cache of its own (up to
+    `capacity` positions) and a length of its own, so a row joins (its prefix prefilled and copied in) or leaves
+    between any two steps while the others decode. Rows are kept in slots 0..len(rows)-1 (a leaving row's slot
+    takes the last row's), so a step reads the caches as one slice, no gather.
+
+    The same layer math as `StaticDecoder` (`decode_layers`); attention is one SDPA call over each row's own
+    positions. After the model's weights change, `refresh` re-fuses them; the rows' keys and values are then stale,
+    and the caller prefills them again (`fill`) if it wants them exact."""
+
+    def __init__(self, model, slots: int, capacity: int):
+        self.model, self.slots, self.capacity = model, slots, capacity
+        a, p = model.model.layers[0].self_attn, next(model.parameters())
+        cfg = model.config
+        self.scaling, self.heads, self.kv_heads = a.scaling, cfg.num_attention_heads, cfg.num_key_value_heads
+        shape = (slots, self.kv_heads, capacity, a.head_dim)
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.model.layers]
+        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.model.layers]
+        self.length = torch.zeros(slots, dtype=torch.long, device=p.device)  # positions held by each slot
+        self.rows: list = []  # the key of the row in each slot
+        self.w = fused_layers(model)
+
+    def refresh(self) -> None:
+        """The model's weights changed: decode with the new ones (the rows' caches still hold the old ones')."""
+        self.w = fused_layers(self.model)
+
+    def fill(self, keys: list, prefixes: list[list[int]]) -> torch.Tensor:
+        """New rows `keys` with these prefixes (prompt and any tokens already sampled), prefilled by the HF forward;
+        logits [len(keys), V] of each one's next token. A key already held is prefilled again in its slot."""
+        from transformers import DynamicCache
+
+        lens = [len(x) for x in prefixes]
+        if max(lens) >= self.capacity:
+            raise ValueError(f"a prefix of {max(lens)} tokens does not fit the stream's {self.capacity} positions")
+        where = []
+        for key in keys:
+            if key not in self.rows:
+                if len(self.rows) == self.slots:
+                    raise RuntimeError(f"no free slot of {self.slots} for another row")
+                self.rows.append(key)
+            where.append(self.rows.index(key))
+        P, dev = max(lens), self.length.device
+        ids = torch.zeros((len(keys), P), dtype=torch.long)
+        attn = torch.zeros((len(keys), P), dtype=torch.long)
+        for i, x in enumerate(prefixes):
+            ids[i, P - len(x):], attn[i, P - len(x):] = torch.tensor(x), 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for layer in range(len(self.k)):
+            k0, v0 = _layer_kv(cache, layer)
+            for i, (slot, n) in enumerate(zip(where, lens)):
+                self.k[layer][slot, :, :n] = k0[i, :, P - n:]
+                self.v[layer][slot, :, :n] = v0[i, :, P - n:]
+        self.length[where] = torch.tensor(lens, device=dev)
+        return out.logits[:, -1, :]
+
+    def remove(self, key) -> None:
+        """The row leaves; the last row moves into its slot."""
+        slot, last = self.rows.index(key), len(self.rows) - 1
+        if slot != last:
+            n = int(self.length[last])
+            for kc, vc in zip(self.k, self.v):
+                kc[slot, :, :n] = kc[last, :, :n]
+                vc[slot, :, :n] = vc[last, :, :n]
+            self.length[slot] = self.length[last]
+            self.rows[slot] = self.rows[last]
+        self.rows.pop()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token to every row (in slot order, [len(rows)]); logits [len(rows), V] of each one's next."""
+        b = len(self.rows)
+        pos = self.length[:b]
+        if int(pos.max()) >= self.capacity:
+            raise RuntimeError(f"a row reached the stream's {self.capacity} positions")
+        upto = int(pos.max()) + 1
+        seen = torch.arange(upto, device=pos.device)[None, :] <= pos[:, None]  # [b, upto]: each row's own positions
+        rows = torch.arange(b, device=pos.device)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = self.k[i], self.v[i]
+            kc[rows, :, pos] = k
+            vc[rows, :, pos] = v
+            return F.scaled_dot_product_attention(q.unsqueeze(2), kc[:b, :, :upto], vc[:b, :, :upto],
+                                                  attn_mask=seen[:, None, None, :], scale=self.scaling,
+                                                  enable_gqa=self.heads != self.kv_heads)
+
+        logits = decode_layers(self.model, self.w, tokens, pos.clone(), attend)
+        self.length[:b] += 1
+        return logits
+
+
+def fused_layers(model) -> list[tuple]:
+    """Each decoder layer's weights as one decode step reads them: its norms, the q/k/v projections as one weight
+    (and bias), o_proj, the gate/up projections as one weight, down_proj. Copies: made again after a weight load."""
+    p = next(model.parameters())
+    out = []
+    for layer in model.model.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        projs = (at.q_proj, at.k_proj, at.v_proj)
+        qkv_b = None
+        if any(m.bias is not None for m in projs):
+            qkv_b = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=p.dtype,
+                                                                              device=p.device) for m in projs])
+        gu_b = None
+        if mlp.gate_proj.bias is not None:
+            gu_b = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+        out.append((
+            layer.input_layernorm, torch.cat([m.weight for m in projs]), qkv_b, at.o_proj.weight, at.o_proj.bias,
+            layer.post_attention_layernorm, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gu_b,
+            mlp.down_proj.weight, mlp.down_proj.bias,
+        ))
+    return out
 
 
 def _by_prompt(t: torch.Tensor, U: int, n: int) -> torch.Tensor:

@@ -559,7 +559,8 @@ class VLLMEngine:
             return []
         inputs = [TokensPrompt(prompt_token_ids=ids) for _, ids, _, _ in reqs]
         extra = _engine_only_kwargs(sampling)
-        params = [SamplingParams(**_sampling_kwargs(sampling, n, seed), **extra) for _, _, n, seed in reqs]
+        params = [SamplingParams(**dict(_sampling_kwargs(sampling, n, seed), max_tokens=sampling.limit(i)), **extra)
+                  for i, _, n, seed in reqs]
         with self._engine_context():
             outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
         completions = [c for (i, ids, _, _), out in zip(reqs, outputs)
@@ -958,11 +959,13 @@ class VLLMServerEngine:
         completions: list[Completion] = []
         # One HTTP request per distinct (n, seed); the server batches the prompts of each request itself.
         batches: dict[tuple[int, int | None], list[tuple[int, list[int]]]] = {}
-        if sampling.seed is None:
+        if sampling.seed is None and not sampling.max_tokens:
             for i, ids, n, _ in reqs:
                 batches.setdefault((n, None), []).append((i, ids))
         results: dict[int, list[Completion]] = {}
-        plan = list(batches.items()) if sampling.seed is None else [((n, s), [(i, ids)]) for i, ids, n, s in reqs]
+        # one request per prompt when seeded or with per-prompt limits
+        plan = list(batches.items()) if sampling.seed is None and not sampling.max_tokens else \
+            [((n, s), [(i, ids)]) for i, ids, n, s in reqs]
 
         def run(key: tuple[int, int | None], items: list[tuple[int, list[int]]]) -> tuple[Any, list]:
             n, seed = key
@@ -970,7 +973,7 @@ class VLLMServerEngine:
             body = {
                 "model": self.model_name, "prompt": [ids for _, ids in items], "n": n,
                 "temperature": kw["temperature"], "top_p": kw["top_p"], "top_k": kw["top_k"],
-                "max_tokens": kw["max_tokens"], "stop": kw["stop"], "stop_token_ids": kw["stop_token_ids"],
+                "max_tokens": sampling.limit(items[0][0]), "stop": kw["stop"], "stop_token_ids": kw["stop_token_ids"],
                 "ignore_eos": kw["ignore_eos"], "seed": seed, "logprobs": 0, "return_token_ids": True,
                 "include_stop_str_in_output": True, "skip_special_tokens": True,
             }

@@ -13,10 +13,11 @@ from tandem.algo import first_k_groups, nonzero_variance_groups, overlong_penalt
 from tandem.config import Config
 from tandem.data.sources import Prompt, PromptStream
 from tandem.rewards import RewardScorer
-from tandem.rollout import Rollout, Sampling
+from tandem.rollout import Rollout, Samples, Sampling
 from tandem.rollout.multiturn import conversation_stats
 from tandem.workers.group import Pending
 from tandem.workers.placement import Placement
+from tandem.workers.stream import StreamGroup, StreamReport
 
 STOP_POLL_S = 0.25  # how often a wait for samples looks for a stop request (its latency; each look is one ray.wait)
 
@@ -38,13 +39,15 @@ def step_seed(cfg: Config, step: int, rnd: int) -> int:
 class RolloutSource:
     """Each step's batch: sampled, scored, filtered (dynamic sampling), shaped, with the step's rollout metrics.
 
-    The schedule is `sync` (sampled now, with the weights just synced) or `async` (the samplers work on the next
-    `max_staleness` batches while the trainers train, at most that many policy versions behind). Scoring counts
+    The schedule is `sync` (sampled now, with the weights just synced), `async` (the samplers work on the next
+    `max_staleness` batches while the trainers train, at most that many policy versions behind) or `stream` (the
+    samplers decode groups continuously; a step takes the first `prompts_per_step` to finish whole, scored as they
+    arrive, every token within `max_staleness` versions: see `_next_streamed`). Scoring counts
     the rewards' failures (and stops a run whose reward fails on most samples). Under dynamic sampling rounds are
     sampled until `prompts_per_step` groups have a reward spread (or `max_sampling_rounds` pass). Shaping adds an
     environment's own rewards and DAPO's overlong penalty, and masks truncated rows out of training
     (`mask_truncated`). `resume_state` is where a resumed run must start the prompt stream: batches sampled
-    ahead but not trained on are sampled again."""
+    ahead but not trained on, and groups started but not trained on, are sampled again."""
 
     def __init__(self, cfg: Config, stream: PromptStream, workers: Placement, scorer: RewardScorer,
                  correct_reward: str, start_step: int, check_stop: Callable[[], None]):
@@ -55,11 +58,18 @@ class RolloutSource:
         # batches sampled ahead: their prompts, the stream before they were taken, the rollout in flight
         self.ahead: deque[tuple[list[Prompt], dict, Pending[Rollout]]] = deque()
         self.next_step = start_step + 1
+        self.streaming = pl.schedule == "stream"
+        self.started: dict[int, tuple[Prompt, int]] = {}  # stream: group serial -> prompt, sampler; not yet arrived
+        self.ready: list[tuple[int, Prompt, Rollout]] = []  # stream: arrived, scored, kept; oldest first
+        self.serial = 0  # stream: the next group's number
+        self.sampler_version = start_step  # stream: the oldest policy version the samplers hold (last reported)
 
     def next(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """Step `step`'s batch, scored and shaped (`rewards` and `scores` set), and its metrics. `reward/*` and
         `train/accuracy` describe what is trained on; under dynamic sampling `sampled/reward/*` and
         `sampled/train/accuracy` describe everything sampled, every round."""
+        if self.streaming:
+            return self._next_streamed(step)
         a, P = self.cfg.algo, self.cfg.batch.prompts_per_step
         stats: dict[str, float] = defaultdict(float)
         errors: Counter = Counter()  # over the step's rounds: the error-rate limit's input
@@ -103,7 +113,14 @@ class RolloutSource:
         state = self.stream.state_dict()
         prompts = self.stream.take(self.cfg.batch.prompts_per_step)
         sampling = sampling_for(self.cfg, step_seed(self.cfg, step, rnd))
+        if any("max_new_tokens" in p.row for p in prompts):
+            sampling = dataclasses.replace(sampling, max_tokens=tuple(self._limit(p) for p in prompts))
         return prompts, state, self.workers.submit_generate([p.ids for p in prompts], sampling)
+
+    def _limit(self, prompt: Prompt) -> int:
+        """A prompt's completion limit: its row's `max_new_tokens`, at most rollout.max_new_tokens."""
+        most = self.cfg.rollout.max_new_tokens
+        return max(1, min(int(prompt.row.get("max_new_tokens", most)), most))
 
     def _wait(self, pending: Pending[Rollout]) -> Rollout:
         """The samples, unless a stop is asked for first: a step still sampling is what a stop drops."""
@@ -126,6 +143,12 @@ class RolloutSource:
         if staleness > self.cfg.placement.max_staleness:  # cannot happen with the schedule above; never train on it
             raise RuntimeError(f"step {step}: a batch sampled by policy version {rollout.version} is {staleness} "
                                f"versions old, over placement.max_staleness={self.cfg.placement.max_staleness}")
+        return self._rewarded(prompts, rollout, stats, errors, last_error)
+
+    def _rewarded(self, prompts: list[Prompt], rollout: Rollout, stats: dict, errors: Counter,
+                  last_error: dict) -> Rollout:
+        """`rollout` (its groups: indices into `prompts`) with its rewards and each function's scores; the reward
+        errors go into `stats`, `errors` and `last_error`."""
         with _timed(stats, "time/reward"):
             rows = [prompts[g].row for g in rollout.samples.group.tolist()]
             res = self.scorer.score([c.text for c in rollout.samples.completions], [r["question"] for r in rows], rows)
@@ -168,8 +191,135 @@ class RolloutSource:
         return dataclasses.replace(batch, samples=samples, rewards=rewards)
 
     def resume_state(self) -> dict:
-        """The prompt stream as a resumed run must see it: batches sampled ahead but not trained are redone."""
+        """The prompt stream as a resumed run must see it: batches sampled ahead but not trained are redone; so
+        are a stream's groups started but not trained (the prompts to sample again first)."""
+        if self.streaming:
+            return self.stream.state_dict(redo=[p for p, _ in self.started.values()] + [p for _, p, _ in self.ready])
         return self.ahead[0][1] if self.ahead else self.stream.state_dict()
+
+    # ------------------------------------------------------------------------------------------------- stream
+
+    def _next_streamed(self, step: int) -> tuple[Rollout, dict[str, float]]:
+        """Step `step`'s batch under the streaming schedule: the first `prompts_per_step` groups to finish whole
+        (scored as they arrive; under dynamic sampling kept only with a reward spread) whose tokens are within the
+        staleness bound."""
+        P = self.cfg.batch.prompts_per_step
+        stats: dict[str, float] = defaultdict(float)
+        errors: Counter = Counter()
+        last_error: dict[str, str] = {}
+        scored = 0
+        with _timed(stats, "time/rollout"):  # the trainer's wait for groups
+            while True:
+                self._expire(step, stats)
+                if len(self.ready) >= P:
+                    break
+                self._top_up(step)
+                self.check_stop()
+                scored += self._arrive(self.workers.stream_take(STOP_POLL_S), stats, errors, last_error)
+        stats.update(self.scorer.error_limit.observe(scored, dict(errors), last_error))  # raises: stop before training
+        taken, self.ready = self.ready[:P], self.ready[P:]
+        batch = taken[0][2]
+        for _, _, group in taken[1:]:
+            batch = batch.concat(group)
+        if self.cfg.algo.dynamic_sampling:
+            arrived = stats.pop("dynamic/arrived_groups", 0)
+            stats["dynamic/kept_group_frac"] = 1 - stats.get("dynamic/dropped_groups", 0) / max(arrived, 1)
+        stats["stream/groups_waiting"] = len(self.ready)
+        batch = self._within_bound(step, batch, stats)
+        stats.update(self._reward_stats(batch))
+        return self._shape(batch, stats), stats
+
+    def _top_up(self, step: int) -> None:
+        """Start the groups that can still be trained within the bound: taken in order, P per step, the k-th group
+        started or waiting trains at step `step + k // P`, and one started now samples with the samplers' version w
+        or newer, so it may start while that step is at most w + max_staleness + 1. Each goes to the sampler with
+        the fewest started; its prompt comes from the stream (those to sample again first)."""
+        cfg, P = self.cfg, self.cfg.batch.prompts_per_step
+        horizon = self.sampler_version + cfg.placement.max_staleness + 1  # the last step such a group may train in
+        want = P * (horizon - step + 1) - len(self.started) - len(self.ready)
+        if want <= 0:
+            return
+        engines = self.workers.samplers.size
+        load = Counter(k for _, k in self.started.values())
+        groups: list[list[StreamGroup]] = [[] for _ in range(engines)]
+        G = cfg.batch.group_size
+        for prompt in self.stream.take(want):
+            k = min(range(engines), key=lambda j: load[j])
+            load[k] += 1
+            self.started[self.serial] = (prompt, k)
+            seed = cfg.run.seed * 1_000_003 + self.serial * G
+            groups[k].append(StreamGroup(self.serial, prompt.ids, G, seed, self._limit(prompt)))
+            self.serial += 1
+        self.workers.stream_add(groups, sampling_for(cfg, None))
+
+    def _arrive(self, reports: list[StreamReport], stats: dict, errors: Counter, last_error: dict) -> int:
+        """The samplers' reports: their times into `stats`, their finished groups scored and put in `ready` (under
+        dynamic sampling only those with a reward spread); the rows scored."""
+        arrived = []
+        for rep in reports:
+            stats["time/generate"] += rep.busy_seconds  # summed over the samplers
+            stats["time/sampler_idle"] += rep.idle_seconds
+            stats["time/weight_load"] += rep.load_seconds
+            stats["stream/restarted"] += rep.restarted
+            arrived += rep.groups
+        self.sampler_version = min(rep.version for rep in reports)
+        stats["stream/requests_in_flight"] = sum(rep.in_flight for rep in reports)
+        stats["stream/tokens_in_flight"] = sum(rep.tokens_in_flight for rep in reports)
+        if not arrived:
+            return 0
+        prompts = [self.started.pop(serial)[0] for serial, _ in arrived]
+        comps = [c for _, group in arrived for c in group]
+        rows_of = [k for k, (_, group) in enumerate(arrived) for _ in group]
+        rollout = self._rewarded(prompts, Rollout(Samples(comps, rows_of, len(arrived))), stats, errors, last_error)
+        a = self.cfg.algo
+        keep = nonzero_variance_groups(rollout.rewards, rollout.samples.group)
+        give_up = self.cfg.batch.prompts_per_step * (a.max_sampling_rounds - 1)  # then train on what comes
+        for k, (serial, _) in enumerate(arrived):
+            rows = [i for i, g in enumerate(rows_of) if g == k]
+            if a.dynamic_sampling:
+                stats["dynamic/arrived_groups"] += 1
+                if not keep[rows].any() and stats["dynamic/dropped_groups"] < give_up:
+                    stats["dynamic/dropped_groups"] += 1
+                    continue
+            group = rollout.select(rows)
+            self.ready.append((serial, prompts[k], dataclasses.replace(group, version=_oldest(group.samples))))
+        return len(comps)
+
+    def _expire(self, step: int, stats: dict) -> None:
+        """Under rollout.partial: drop, groups waiting with a token the staleness bound now leaves behind go back
+        to be sampled again (their prompts first in the stream)."""
+        if self.cfg.rollout.partial != "drop":
+            return
+        oldest = (step - 1) - self.cfg.placement.max_staleness  # the trainer is at version step - 1
+        for entry in [e for e in self.ready if e[2].version < oldest]:
+            self.ready.remove(entry)
+            self.stream.redo.append(self.stream.index_of(entry[1]))
+            stats["stream/expired_groups"] += 1
+
+    def _within_bound(self, step: int, batch: Rollout, stats: dict) -> Rollout:
+        """The batch's per-token staleness into `stats`; under rollout.partial: resume its tokens beyond the bound
+        masked out of the loss (kept as context)."""
+        bound, comps = self.cfg.placement.max_staleness, batch.samples.completions
+        ages = [(step - 1) - v for c in comps for v in c.versions]
+        stats["async/staleness"] = max(ages, default=0)
+        stats["async/staleness_mean"] = sum(ages) / max(len(ages), 1)
+        if max(ages, default=0) <= bound:
+            return batch
+        if self.cfg.rollout.partial == "drop":  # `_expire` sent such groups back: never train on them
+            raise RuntimeError(f"step {step}: a token {max(ages)} versions old, over placement.max_staleness={bound}")
+        masked, out = 0, []
+        for c in comps:
+            keep = [int((step - 1) - v <= bound) for v in c.versions]
+            mask = keep if c.loss_mask is None else [a * b for a, b in zip(keep, c.loss_mask)]
+            masked += len(keep) - sum(keep)
+            out.append(dataclasses.replace(c, loss_mask=mask))
+        stats["stream/stale_masked_frac"] = masked / max(len(ages), 1)
+        return dataclasses.replace(batch, samples=dataclasses.replace(batch.samples, completions=out))
+
+
+def _oldest(samples: Samples) -> int:
+    """The oldest policy version that sampled a token of these rows."""
+    return min(min(c.versions) for c in samples.completions if c.versions)
 
 
 @contextmanager

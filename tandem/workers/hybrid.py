@@ -11,6 +11,7 @@ from tandem.sync.local import push_weights
 from tandem.train.policy import Policy
 from tandem.workers.group import WorkerContext
 from tandem.workers.rollout import engine_args, sample_with
+from tandem.workers.stream import StreamGroup, StreamReport, StreamSampler
 from tandem.workers.train import TrainWorker
 
 # What must be on the compute device in each phase (the rest may go to the host):
@@ -55,6 +56,7 @@ class HybridWorker:
         self._resident: dict[str, int] = {}
         self._engine_awake = True
         self._resharder = None  # runs the engine sync's plan; made at the first sync, kept with its setup
+        self._stream: StreamSampler | None = None  # placement.schedule: stream
 
     @property
     def policy(self) -> Policy:
@@ -88,6 +90,24 @@ class HybridWorker:
         # an engine's TP peers sampled the same completions; its first rank reports them
         return Rollout(Samples.of_call(comps if self.engine_rank == 0 else [], len(prompts)), self.version,
                        end - start)
+
+    def stream_add(self, groups: list[StreamGroup], sampling: Sampling) -> None:
+        """placement.schedule: stream in one process: more groups to sample. They decode only inside
+        `stream_take`, while the controller waits for groups: nothing overlaps the update here."""
+        if self._stream is None:
+            self._stream = StreamSampler(self.cfg, self.engine)
+        self._stream.add(groups, sampling)
+
+    def stream_take(self, timeout: float) -> StreamReport:
+        """Decode until a group finishes or `timeout` seconds pass; the groups finished. The requests in flight
+        go on under the weights synced since the last take (their prefixes prefilled again)."""
+        self._enter("generate")
+        stream, deadline = self._stream, time.perf_counter() + timeout
+        if stream.version != self.version:
+            stream.weights_changed(self.version)
+        while not stream.outbox and time.perf_counter() < deadline and stream.step():
+            pass
+        return stream.take()
 
     def prepare(self, samples: Samples):
         self._enter("logprobs")

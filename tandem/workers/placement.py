@@ -15,6 +15,7 @@ from tandem.workers.balance import balance
 from tandem.workers.group import LocalWorkerGroup, Mapped, Pending, WorkerGroup
 from tandem.workers.hybrid import HybridWorker
 from tandem.workers.rollout import RolloutWorker
+from tandem.workers.stream import StreamGroup, StreamReport
 from tandem.workers.train import TrainWorker
 
 
@@ -35,6 +36,10 @@ class Sampler(Protocol):
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Rollout: ...
 
+    def stream_add(self, groups: list[StreamGroup], sampling: Sampling) -> None: ...
+
+    def stream_take(self, timeout: float) -> StreamReport: ...
+
 
 def merge_shares(parts: list[Rollout], shares: list[list[int]], num_prompts: int) -> Rollout:
     """The samplers' shares of one call as one rollout in prompt order (group = the prompt's index in the call)."""
@@ -52,6 +57,8 @@ def merge_shares(parts: list[Rollout], shares: list[list[int]], num_prompts: int
 def _seeded(sampling: Sampling, share: list[int], shares: int) -> Sampling:
     """`sampling` for a share of the prompts, each prompt seeded as in the whole batch (vLLM's seed + i * n), so
     the samples do not depend on how many engines share the prompts. One engine takes the call as it is."""
+    if sampling.max_tokens:
+        sampling = dataclasses.replace(sampling, max_tokens=tuple(sampling.max_tokens[i] for i in share))
     if sampling.seed is None or shares == 1:
         return sampling
     return dataclasses.replace(sampling, seeds=tuple(int(sampling.seed) + i * sampling.n for i in share))
@@ -102,6 +109,14 @@ class Placement:
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> Rollout:
         return self.submit_generate(prompts, sampling).get()
+
+    def stream_add(self, groups: list[list[StreamGroup]], sampling: Sampling) -> None:
+        """placement.schedule: stream: more groups for each sampler (`groups[k]` for sampler k) to sample."""
+        self.samplers.call_each(Sampler.stream_add, [(g, sampling) for g in groups])
+
+    def stream_take(self, timeout: float) -> list[StreamReport]:
+        """Each sampler's groups finished since its last take (each waits up to `timeout` seconds for one)."""
+        return self.samplers.call(Sampler.stream_take, timeout)
 
     def observe_lengths(self, lengths: torch.Tensor) -> None:
         mean = float(lengths.float().mean())

@@ -1,6 +1,7 @@
 """The sampler role: one rollout engine that generates, and takes new weights between generations."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -18,6 +19,7 @@ from tandem.rollout import Completion, Rollout, Samples, Sampling, make_engine
 from tandem.sync.convert import ToCheckpoint
 from tandem.train.lora import targets
 from tandem.workers.group import WorkerContext
+from tandem.workers.stream import StreamGroup, StreamReport, StreamSampler
 
 
 def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
@@ -97,6 +99,9 @@ class RolloutWorker:
         self._adapter = None  # LoRA merged here: the base weights of the adapted modules, and the merge
         self._resharder = None  # runs _plan; made at the first receive and kept, with its setup, for the next
         self._last_end = time.perf_counter()
+        self._stream: StreamSampler | None = None  # placement.schedule: stream (its own thread decodes)
+        self._stream_error: BaseException | None = None
+        self._closing = False
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Rollout:
         """Generate with policy version `min_version` or newer: the controller may ask before those weights have
@@ -108,19 +113,76 @@ class RolloutWorker:
                 raise RuntimeError(f"waited for policy version {min_version}, but receiving weights failed: "
                                    f"{self._failed!r}")
             staged, self._staged = self._staged, None
-        ready = time.perf_counter()
-        if staged is not None:
-            if self._serves_adapters:
-                self.engine.load_adapter(dict(staged[1]), self.cfg.lora.alpha, self.cfg.lora.rank)
-            else:
-                self.engine.load_weights(staged[1])
-            self.version = staged[0]
-        loaded = time.perf_counter()
-        comps = self.sample(prompts, sampling)
+        with self._stream.lock if self._stream is not None else contextlib.nullcontext():  # a stream's turn waits
+            ready = time.perf_counter()
+            if staged is not None:
+                self._load(staged)
+            loaded = time.perf_counter()
+            comps = self.sample(prompts, sampling)
         idle = ready - self._last_end
         self._last_end = time.perf_counter()
         return Rollout(Samples.of_call(comps, len(prompts)), self.version, self._last_end - loaded, idle,
                        loaded - ready)
+
+    def _load(self, staged: tuple[int, list[tuple[str, torch.Tensor]]]) -> None:
+        """Staged weights into the engine (a stream's requests in flight go on under them)."""
+        start = time.perf_counter()
+        if self._serves_adapters:
+            self.engine.load_adapter(dict(staged[1]), self.cfg.lora.alpha, self.cfg.lora.rank)
+        else:
+            self.engine.load_weights(staged[1])
+        self.version = staged[0]
+        if self._stream is not None:
+            self._stream.weights_changed(self.version, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------------ placement.schedule: stream
+
+    def stream_add(self, groups: list[StreamGroup], sampling: Sampling) -> None:
+        """More groups to sample; the first call starts the stream's thread."""
+        if self._stream is None:
+            self._stream = StreamSampler(self.cfg, self.engine)
+            threading.Thread(target=self._stream_loop, name="tandem-stream", daemon=True).start()
+        self._stream.add(groups, sampling)
+        with self._arrived:
+            self._arrived.notify_all()
+
+    def stream_take(self, timeout: float) -> StreamReport:
+        """The groups finished since the last take, waiting up to `timeout` seconds for one, or for new weights
+        (with which the controller may start more groups)."""
+        stream = self._stream
+        with self._arrived:
+            self._arrived.wait_for(lambda: stream.outbox or stream.version != stream.reported_version
+                                   or self._stream_error is not None, timeout)
+        if self._stream_error is not None:
+            raise RuntimeError(f"sampler {self.ctx.global_rank}'s stream stopped: {self._stream_error!r}") \
+                from self._stream_error
+        return self._stream.take()
+
+    def _stream_loop(self) -> None:
+        """Decode step after decode step; staged weights load in between (with in_flight_weights: false, once the
+        requests in flight have stopped, none starting meanwhile)."""
+        stream, in_flight_weights = self._stream, self.cfg.rollout.in_flight_weights
+        try:
+            while not self._closing:
+                staged = None
+                with self._arrived:
+                    if self._staged is not None and (in_flight_weights or not stream.running):
+                        staged, self._staged = self._staged, None
+                    stream.hold(self._staged is not None)
+                    if staged is None and not stream.in_flight:
+                        self._arrived.wait(0.05)  # nothing to decode: wait for groups or weights
+                if staged is not None:
+                    with stream.lock:
+                        self._load(staged)
+                    with self._arrived:  # a generate waiting for this version may go on
+                        self._arrived.notify_all()
+                if stream.step() and stream.outbox:
+                    with self._arrived:
+                        self._arrived.notify_all()
+        except BaseException as exc:
+            with self._arrived:
+                self._stream_error = exc
+                self._arrived.notify_all()
 
     def _newest(self) -> int:
         return max(self.version, self._staged[0] if self._staged else -1)
@@ -182,8 +244,13 @@ class RolloutWorker:
         return {"seconds": time.perf_counter() - start, "bytes": received}
 
     def close(self) -> None:
+        self._closing = True
         try:
-            self.engine.close()
+            if self._stream is not None:
+                with self._stream.lock:  # the stream's thread is between steps, and stops at the next
+                    self.engine.close()
+            else:
+                self.engine.close()
         finally:
             channel = getattr(self, "_channel", None)
             if channel is not None:

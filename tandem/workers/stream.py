@@ -1,0 +1,153 @@
+"""A sampler's side of the streaming schedule: groups of requests kept in flight on one engine, each handed out
+whole when its last request stops, the staleness bound kept per token as new weights land."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from tandem.config import Config
+from tandem.rollout import Completion, Sampling
+from tandem.rollout.stream import Finished, HFStream, Request
+
+
+@dataclass(frozen=True)
+class StreamGroup:
+    """One prompt to sample a group for: `n` requests seeded `seed`, `seed + 1`, ..., each up to `max_new_tokens`.
+    `serial` is the controller's number for it (unique in the run)."""
+
+    serial: int
+    prompt_ids: list[int]
+    n: int
+    seed: int
+    max_new_tokens: int
+
+
+@dataclass
+class StreamReport:
+    """What `StreamSampler.take` hands the controller: the groups finished since the last take (serial and its
+    completions, in sample order) and the sampler's time since then."""
+
+    groups: list[tuple[int, list[Completion]]]
+    busy_seconds: float  # decoding
+    idle_seconds: float  # nothing in flight
+    load_seconds: float  # loading new weights and prefilling the requests in flight again
+    in_flight: int  # requests running or waiting, after these groups left
+    tokens_in_flight: int  # tokens sampled so far by the groups not yet handed out
+    restarted: int  # requests begun again because the staleness bound left their first tokens behind
+    version: int  # the policy version the engine holds now
+
+
+class StreamSampler:
+    """Keeps up to `rollout.max_in_flight` requests decoding on one engine (`HFStream`), adding the requests of new
+    groups as slots free up; a group leaves whole, once all its `n` requests have stopped.
+
+    New weights (`weights_changed`) land between two decode steps: the requests in flight keep their tokens (each
+    tagged with the version that sampled it) and go on under the new weights, their prefixes prefilled again. With
+    `rollout.partial: drop` a request whose first token is older than `placement.max_staleness` versions begins
+    again (so does a finished request still waiting for the rest of its group), since no step could train it within
+    the bound; with `resume` it is kept and the controller masks its tokens beyond the bound. With
+    `rollout.in_flight_weights: false` new weights wait until the requests in flight have stopped: no new request
+    starts meanwhile (`hold`), so every sequence is sampled by one version."""
+
+    def __init__(self, cfg: Config, engine):
+        self.cfg, self.engine = cfg, engine
+        r, pl = cfg.rollout, cfg.placement
+        self.slots = r.max_in_flight or cfg.batch.prompts_per_step * cfg.batch.group_size
+        self.capacity = cfg.data.max_prompt_tokens + cfg.max_completion_tokens + 1
+        self.max_staleness, self.drop = pl.max_staleness, r.partial == "drop"
+        self.session: HFStream | None = None
+        self.groups: dict[int, tuple[StreamGroup, dict[int, Completion]]] = {}
+        self.outbox: list[tuple[int, list[Completion]]] = []
+        self.version = 0
+        self.reported_version = 0  # the version the last take reported
+        self.lock = threading.RLock()  # one engine: a step, a weight load and an evaluation's generate take turns
+        self._times = {"busy": 0.0, "idle": 0.0, "load": 0.0}
+        self._restarted = 0
+        self._last = time.perf_counter()
+
+    def add(self, groups: list[StreamGroup], sampling: Sampling) -> None:
+        with self.lock:
+            if self.session is None:
+                self.session = HFStream(self.engine, sampling, self.slots, self.capacity)
+            for g in groups:
+                self.groups[g.serial] = (g, {})
+                for i in range(g.n):
+                    self.session.add(Request((g.serial, i), list(g.prompt_ids), g.max_new_tokens, g.seed + i))
+
+    @property
+    def in_flight(self) -> int:
+        return self.session.in_flight if self.session is not None else 0
+
+    def hold(self, holding: bool) -> None:
+        """Stop (or go on) starting new requests: the sampler drains before a load that waits for it."""
+        if self.session is not None:
+            self.session.admitting = not holding
+
+    @property
+    def running(self) -> int:
+        return len(self.session.running) if self.session is not None else 0
+
+    def step(self) -> bool:
+        """One decode step of every running request; False when nothing is in flight (the time counts as idle)."""
+        with self.lock:
+            now = time.perf_counter()
+            if not self.in_flight:
+                self._times["idle"] += now - self._last
+                self._last = now
+                return False
+            for f in self.session.step(self.version):
+                self._finish(f)
+            self._last = time.perf_counter()
+            self._times["busy"] += self._last - now
+            return True
+
+    def _finish(self, f: Finished) -> None:
+        r = f.request
+        serial, i = r.key
+        spec, done = self.groups[serial]
+        done[i] = Completion(list(r.prompt_ids), list(r.tokens), list(r.logprobs), f.text, f.finish_reason,
+                             prompt_index=0, versions=list(r.versions))
+        if len(done) == spec.n:
+            del self.groups[serial]
+            self.outbox.append((serial, [done[k] for k in range(spec.n)]))
+
+    def weights_changed(self, version: int, load_seconds: float = 0.0) -> None:
+        """The engine now holds policy `version`: the requests in flight go on under it (prefixes prefilled again);
+        under `partial: drop` those it leaves beyond the staleness bound begin again."""
+        with self.lock:
+            start = time.perf_counter()
+            self.version = version
+            if self.session is None:
+                return
+            oldest = version - self.max_staleness  # a token older than this can no longer be trained on
+            if self.drop:
+                for r in self.session.requests():
+                    if r.versions and r.versions[0] < oldest:
+                        self.session.discard(r.key)
+                        r.restart()
+                        self.session.add(r)
+                        self._restarted += 1
+                for serial, (spec, done) in self.groups.items():
+                    for i in [i for i, c in done.items() if c.versions and c.versions[0] < oldest]:
+                        del done[i]
+                        self.session.add(Request((serial, i), list(spec.prompt_ids), spec.max_new_tokens,
+                                                 spec.seed + i, restarts=1))
+                        self._restarted += 1
+            self.session.reload()
+            self._times["load"] += load_seconds + time.perf_counter() - start
+            self._last = time.perf_counter()
+
+    def take(self) -> StreamReport:
+        """The groups finished since the last take, and the time since."""
+        with self.lock:
+            out, self.outbox = self.outbox, []
+            t, self._times = self._times, {"busy": 0.0, "idle": 0.0, "load": 0.0}
+            restarted, self._restarted = self._restarted, 0
+            self.reported_version = self.version
+            return StreamReport(out, t["busy"], t["idle"], t["load"], self.in_flight, self._tokens_in_flight(),
+                                restarted, self.version)
+
+    def _tokens_in_flight(self) -> int:
+        running = sum(len(r.tokens) for r in self.session.requests()) if self.session is not None else 0
+        return running + sum(len(c.completion_ids) for _, done in self.groups.values() for c in done.values())
