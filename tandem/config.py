@@ -210,20 +210,24 @@ class RolloutConfig(Section):
         "More keeps a long-tailed batch busier and holds more KV cache.",
     )
     partial: Literal["drop", "resume"] = Field(
-        "drop", description="placement.schedule: stream: a request whose first tokens the staleness bound leaves "
-        "behind (sampled more than placement.max_staleness versions before the step that would train them). "
-        "`drop` (the default): it begins again under the new weights, and a finished group that waited too long "
-        "goes back to be sampled again, so every trained token is within the bound and every sequence's tokens come "
-        "from at most max_staleness + 1 versions. `resume`: its tokens so far stay and generation goes on (the "
-        "prefix prefilled under the new weights); the tokens beyond the bound stay as context but are masked out of "
-        "the loss. drop wastes the long requests' work; resume keeps it but trains each such sequence on its later "
-        "tokens only, which is why it is not the default.",
+        "resume", description="placement.schedule: stream: a request whose first tokens the staleness bound leaves "
+        "behind (sampled more than placement.max_staleness versions before the step that trains them). `resume` "
+        "(the default): its tokens so far stay and generation goes on under the new weights (the prefix prefilled "
+        "again); the tokens beyond the bound stay as context but are masked out of the loss "
+        "(`stream/stale_masked_frac`), so every trained token is within the bound and no work is thrown away. "
+        "`drop`: it begins again under the new weights, and a finished group that waited too long goes back to be "
+        "sampled again, so every token of a trained sequence is within the bound; but a request that needs more "
+        "decoding than max_staleness + 1 updates allow then never finishes (each restart is counted in "
+        "`stream/restarted`; the third of one request is warned about, the eighth stops the run naming the fix), "
+        "which is why it is not the default.",
     )
     in_flight_weights: bool = Field(
         True, description="placement.schedule: stream: new weights load between two decode steps while requests "
         "are in flight (each token records the version that sampled it; the prefixes in flight are prefilled again "
         "under the new weights). false: new weights wait until the requests in flight have stopped, and no new one "
-        "starts meanwhile, so every sequence comes from one version, at the cost of a drain per update.",
+        "starts meanwhile, so every sequence comes from one version, at the cost of a drain per update. The "
+        "prefill again costs about one forward of every token in flight per update: on CPU, where that is as dear "
+        "as decoding them, bench/bench_stream.py measures both.",
     )
     sync_bucket_mb: int = Field(
         64, ge=1, description="A weight sync moves the trainer's tensors in buckets of about this many MiB, which "
@@ -610,8 +614,8 @@ class Config(Section):
                 f"batch.group_size: {self.batch.group_size} leaves every GRPO advantage at 0 (a group of one has no "
                 "relative reward); use group_size >= 2, or algo.advantage: reinforce_pp (no group baseline)")
         if a.is_mask != "none" and a.tis_cap is not None:
-            raise ConfigError(f"algo.is_mask: {a.is_mask} with algo.tis_cap: {a.tis_cap}: both weigh the loss by pi_old / "
-                              "pi_sampler, one capping it, one masking outside a band; set one of them")
+            raise ConfigError(f"algo.is_mask: {a.is_mask} with algo.tis_cap: {a.tis_cap}: both weigh the loss by "
+                              "pi_old / pi_sampler, one capping it, one masking outside a band; set one of them")
         low, high = a.is_mask_band
         if not 0 < low <= 1 <= high:
             raise ConfigError(f"algo.is_mask_band: [{low}, {high}] must hold 1 with 0 < low <= 1 <= high (a ratio "

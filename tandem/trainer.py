@@ -155,8 +155,9 @@ def grpo_step(run: Run, step: int) -> Launched:
         "advantage/abs_mean": float(adv.abs().mean()),
         "completion/length_mean": float(lengths.float().mean()), "completion/length_max": int(lengths.max()),
         "completion/truncated_frac": int(samples.truncated.sum()) / len(samples),
-        "rollout/tokens_per_s": int(lengths.sum()) / max(m["time/generate"], 1e-9),
     })
+    if m.get("time/generate", 0) > 0:  # a streamed step may train only groups that finished during earlier steps
+        m["rollout/tokens_per_s"] = int(lengths.sum()) / m["time/generate"]
     tokens = int(lengths.sum()) + sum(len(c.prompt_ids) for c in samples.completions)
     return Launched(step, m, launched_at, tokens, prepared, trained, synced)
 

@@ -98,6 +98,10 @@ def load_task_rows(task: str, path: str, prompt_field: str, answer_field: str, s
             row["_messages"] = prompt
             row["question"] = next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
         row["answer"] = r[answer_field]
+        limit = r.get("max_new_tokens")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise DataError(f"{path}:{r.get('_line', '?')}: field 'max_new_tokens' (this row's completion limit, "
+                            f"at most rollout.max_new_tokens) must be a positive integer, got {limit!r}")
         if task == "gsm8k":
             try:
                 row["answer"] = gsm8k_final_answer(str(r[answer_field]))

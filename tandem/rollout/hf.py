@@ -74,6 +74,8 @@ class HFEngine:
         # the routes of each sampled token, for the trainer's router replay and route mismatch (tandem.moe)
         self.routing = moe.Routing(self.model) if moe.routers(self.model) else None
         self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
+        if llama_decode.decodes(self.model):  # q/k/v and gate/up as views of one tensor each: read with no copy
+            llama_decode.fuse_parameters(self.model)
         self._params = dict(self.model.named_parameters())
         for p in self._params.values():
             residency.ensure_resizable(p)  # sleep frees storages in place; a memory-mapped one cannot be

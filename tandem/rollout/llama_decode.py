@@ -166,6 +166,9 @@ def decode_layers(model, fused: list[tuple], tokens: torch.Tensor, positions: to
     return F.linear(_rms_norm(x, model.model.norm), model.lm_head.weight)
 
 
+FILL_PADDING = 1.25  # SlotDecoder.fill: the most padded positions a prefill batch may run per real one
+
+
 class SlotDecoder:
     """Continuous batching for the streaming schedule: up to `slots` rows, each with a KV cache of its own (up to
     `capacity` positions) and a length of its own, so a row joins (its prefix prefilled and copied in) or leaves
@@ -194,9 +197,11 @@ class SlotDecoder:
 
     def fill(self, keys: list, prefixes: list[list[int]]) -> torch.Tensor:
         """New rows `keys` with these prefixes (prompt and any tokens already sampled), prefilled by the HF forward;
-        logits [len(keys), V] of each one's next token. A key already held is prefilled again in its slot."""
-        from transformers import DynamicCache
+        logits [len(keys), V] of each one's next token. A key already held is prefilled again in its slot.
 
+        Rows of like length are prefilled together (sorted by length, a batch closed where padding would pass
+        FILL_PADDING of its real tokens): a long-tailed set of prefixes, as a weight load re-prefills, would
+        otherwise pad every row to the longest."""
         lens = [len(x) for x in prefixes]
         if max(lens) >= self.capacity:
             raise ValueError(f"a prefix of {max(lens)} tokens does not fit the stream's {self.capacity} positions")
@@ -207,9 +212,25 @@ class SlotDecoder:
                     raise RuntimeError(f"no free slot of {self.slots} for another row")
                 self.rows.append(key)
             where.append(self.rows.index(key))
+        logits: list[torch.Tensor | None] = [None] * len(keys)
+        batch: list[int] = []
+        for i in sorted(range(len(keys)), key=lens.__getitem__) + [-1]:
+            if batch and (i < 0 or (len(batch) + 1) * lens[i] > FILL_PADDING * (sum(lens[j] for j in batch) + lens[i])):
+                for j, row in zip(batch, self._prefill([where[j] for j in batch], [prefixes[j] for j in batch])):
+                    logits[j] = row
+                batch = []
+            batch.append(i)
+        return torch.stack(logits)
+
+    def _prefill(self, where: list[int], prefixes: list[list[int]]) -> torch.Tensor:
+        """One HF forward of these prefixes (left-padded to the longest), their keys and values copied into slots
+        `where`; each one's next-token logits."""
+        from transformers import DynamicCache
+
+        lens = [len(x) for x in prefixes]
         P, dev = max(lens), self.length.device
-        ids = torch.zeros((len(keys), P), dtype=torch.long)
-        attn = torch.zeros((len(keys), P), dtype=torch.long)
+        ids = torch.zeros((len(prefixes), P), dtype=torch.long)
+        attn = torch.zeros((len(prefixes), P), dtype=torch.long)
         for i, x in enumerate(prefixes):
             ids[i, P - len(x):], attn[i, P - len(x):] = torch.tensor(x), 1
         ids, attn = ids.to(dev), attn.to(dev)
@@ -259,9 +280,46 @@ class SlotDecoder:
         return logits
 
 
+def fuse_parameters(model) -> None:
+    """Make each layer's q/k/v projections' weights (and biases) views of one tensor, and gate/up's of another, so
+    that `fused_layers` reads them as one matrix product without copying them, and a weight load (which copies into
+    the parameters in place) writes the fused tensors directly. The module math is unchanged."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            for mods in ((at.q_proj, at.k_proj, at.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                for attr in ("weight", "bias"):
+                    params = [getattr(m, attr) for m in mods]
+                    if any(p is None for p in params) or _joined_view(params) is not None:
+                        continue
+                    whole, at_row = torch.cat([p.data for p in params]), 0
+                    for p in params:
+                        p.data = whole[at_row: at_row + p.shape[0]]
+                        at_row += p.shape[0]
+
+
+def _joined_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one along dim 0 without a copy, when they lie back to back in one storage; else None."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or t.storage_offset() != offset or t.shape[1:] != first.shape[1:]:
+            return None
+        offset += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride(),
+                            first.storage_offset())
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    view = _joined_view(tensors)
+    return view if view is not None else torch.cat(tensors)
+
+
 def fused_layers(model) -> list[tuple]:
     """Each decoder layer's weights as one decode step reads them: its norms, the q/k/v projections as one weight
-    (and bias), o_proj, the gate/up projections as one weight, down_proj. Copies: made again after a weight load."""
+    (and bias), o_proj, the gate/up projections as one weight, down_proj. Views of the parameters where
+    `fuse_parameters` laid them out back to back, else copies (made again after a weight load)."""
     p = next(model.parameters())
     out = []
     for layer in model.model.layers:
@@ -269,14 +327,14 @@ def fused_layers(model) -> list[tuple]:
         projs = (at.q_proj, at.k_proj, at.v_proj)
         qkv_b = None
         if any(m.bias is not None for m in projs):
-            qkv_b = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=p.dtype,
-                                                                              device=p.device) for m in projs])
+            qkv_b = _joined([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=p.dtype,
+                                                                             device=p.device) for m in projs])
         gu_b = None
         if mlp.gate_proj.bias is not None:
-            gu_b = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            gu_b = _joined([mlp.gate_proj.bias, mlp.up_proj.bias])
         out.append((
-            layer.input_layernorm, torch.cat([m.weight for m in projs]), qkv_b, at.o_proj.weight, at.o_proj.bias,
-            layer.post_attention_layernorm, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gu_b,
+            layer.input_layernorm, _joined([m.weight for m in projs]), qkv_b, at.o_proj.weight, at.o_proj.bias,
+            layer.post_attention_layernorm, _joined([mlp.gate_proj.weight, mlp.up_proj.weight]), gu_b,
             mlp.down_proj.weight, mlp.down_proj.bias,
         ))
     return out

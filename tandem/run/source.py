@@ -63,6 +63,7 @@ class RolloutSource:
         self.ready: list[tuple[int, Prompt, Rollout]] = []  # stream: arrived, scored, kept; oldest first
         self.serial = 0  # stream: the next group's number
         self.sampler_version = start_step  # stream: the oldest policy version the samplers hold (last reported)
+        self.in_flight: dict[str, int] = {}  # stream: the requests and tokens in flight (last reported)
 
     def next(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """Step `step`'s batch, scored and shaped (`rewards` and `scores` set), and its metrics. `reward/*` and
@@ -217,6 +218,7 @@ class RolloutSource:
                 self.check_stop()
                 scored += self._arrive(self.workers.stream_take(STOP_POLL_S), stats, errors, last_error)
         stats.update(self.scorer.error_limit.observe(scored, dict(errors), last_error))  # raises: stop before training
+        self.ready.sort(key=lambda e: e[2].version)  # the oldest first: the nearest to the bound (a stable sort)
         taken, self.ready = self.ready[:P], self.ready[P:]
         batch = taken[0][2]
         for _, _, group in taken[1:]:
@@ -224,7 +226,7 @@ class RolloutSource:
         if self.cfg.algo.dynamic_sampling:
             arrived = stats.pop("dynamic/arrived_groups", 0)
             stats["dynamic/kept_group_frac"] = 1 - stats.get("dynamic/dropped_groups", 0) / max(arrived, 1)
-        stats["stream/groups_waiting"] = len(self.ready)
+        stats.update(self.in_flight, **{"stream/groups_waiting": len(self.ready)})  # as last reported
         batch = self._within_bound(step, batch, stats)
         stats.update(self._reward_stats(batch))
         return self._shape(batch, stats), stats
@@ -263,8 +265,8 @@ class RolloutSource:
             stats["stream/restarted"] += rep.restarted
             arrived += rep.groups
         self.sampler_version = min(rep.version for rep in reports)
-        stats["stream/requests_in_flight"] = sum(rep.in_flight for rep in reports)
-        stats["stream/tokens_in_flight"] = sum(rep.tokens_in_flight for rep in reports)
+        self.in_flight = {"stream/requests_in_flight": sum(rep.in_flight for rep in reports),
+                          "stream/tokens_in_flight": sum(rep.tokens_in_flight for rep in reports)}
         if not arrived:
             return 0
         prompts = [self.started.pop(serial)[0] for serial, _ in arrived]
@@ -297,23 +299,25 @@ class RolloutSource:
             stats["stream/expired_groups"] += 1
 
     def _within_bound(self, step: int, batch: Rollout, stats: dict) -> Rollout:
-        """The batch's per-token staleness into `stats`; under rollout.partial: resume its tokens beyond the bound
-        masked out of the loss (kept as context)."""
+        """The batch with, under rollout.partial: resume, its tokens beyond the staleness bound masked out of the
+        loss (kept as context: `stream/stale_masked_frac`); the per-token staleness of what it trains on (mean and
+        max) into `stats`."""
         bound, comps = self.cfg.placement.max_staleness, batch.samples.completions
-        ages = [(step - 1) - v for c in comps for v in c.versions]
-        stats["async/staleness"] = max(ages, default=0)
-        stats["async/staleness_mean"] = sum(ages) / max(len(ages), 1)
-        if max(ages, default=0) <= bound:
-            return batch
-        if self.cfg.rollout.partial == "drop":  # `_expire` sent such groups back: never train on them
-            raise RuntimeError(f"step {step}: a token {max(ages)} versions old, over placement.max_staleness={bound}")
-        masked, out = 0, []
+        oldest = max(((step - 1) - v for c in comps for v in c.versions), default=0)
+        if oldest > bound and self.cfg.rollout.partial == "drop":  # `_expire` sent such groups back: never here
+            raise RuntimeError(f"step {step}: a token {oldest} versions old, over placement.max_staleness={bound}")
+        masked, total, ages, out = 0, 0, [], []
         for c in comps:
             keep = [int((step - 1) - v <= bound) for v in c.versions]
             mask = keep if c.loss_mask is None else [a * b for a, b in zip(keep, c.loss_mask)]
-            masked += len(keep) - sum(keep)
-            out.append(dataclasses.replace(c, loss_mask=mask))
-        stats["stream/stale_masked_frac"] = masked / max(len(ages), 1)
+            ages += [(step - 1) - v for v, m in zip(c.versions, mask) if m]
+            masked, total = masked + len(keep) - sum(keep), total + len(keep)
+            out.append(dataclasses.replace(c, loss_mask=mask) if oldest > bound else c)
+        stats["async/staleness"] = max(ages, default=0)
+        stats["async/staleness_mean"] = sum(ages) / max(len(ages), 1)
+        if oldest <= bound:
+            return batch
+        stats["stream/stale_masked_frac"] = masked / max(total, 1)
         return dataclasses.replace(batch, samples=dataclasses.replace(batch.samples, completions=out))
 
 

@@ -25,7 +25,7 @@ from tandem.train.offload import Offloader
 from tandem.train.stats import StepStats
 
 # The per-token metrics of `token_loss` as the step's stats name them.
-_REPORTED_AS = {"ratio": "ratio_mean", "tis_capped": "tis_capped_frac"}
+_REPORTED_AS = {"ratio": "ratio_mean", "tis_capped": "tis_capped_frac", "is_masked": "is_masked_frac"}
 
 
 @dataclass

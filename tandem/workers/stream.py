@@ -2,6 +2,7 @@
 whole when its last request stops, the staleness bound kept per token as new weights land."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -9,6 +10,9 @@ from dataclasses import dataclass
 from tandem.config import Config
 from tandem.rollout import Completion, Sampling
 from tandem.rollout.stream import Finished, HFStream, Request
+
+log = logging.getLogger("tandem.stream")
+DROP_RESTARTS = 8  # rollout.partial: drop: a request begun again this many times stops the run (it cannot finish)
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class StreamSampler:
     tagged with the version that sampled it) and go on under the new weights, their prefixes prefilled again. With
     `rollout.partial: drop` a request whose first token is older than `placement.max_staleness` versions begins
     again (so does a finished request still waiting for the rest of its group), since no step could train it within
-    the bound; with `resume` it is kept and the controller masks its tokens beyond the bound. With
+    the bound; with `resume` (the default) it is kept and the controller masks its tokens beyond the bound. With
     `rollout.in_flight_weights: false` new weights wait until the requests in flight have stopped: no new request
     starts meanwhile (`hold`), so every sequence is sampled by one version."""
 
@@ -64,6 +68,7 @@ class StreamSampler:
         self.lock = threading.RLock()  # one engine: a step, a weight load and an evaluation's generate take turns
         self._times = {"busy": 0.0, "idle": 0.0, "load": 0.0}
         self._restarted = 0
+        self._warned = False
         self._last = time.perf_counter()
 
     def add(self, groups: list[StreamGroup], sampling: Sampling) -> None:
@@ -128,6 +133,7 @@ class StreamSampler:
                         r.restart()
                         self.session.add(r)
                         self._restarted += 1
+                        self._starving(r)
                 for serial, (spec, done) in self.groups.items():
                     for i in [i for i, c in done.items() if c.versions and c.versions[0] < oldest]:
                         del done[i]
@@ -137,6 +143,23 @@ class StreamSampler:
             self.session.reload()
             self._times["load"] += load_seconds + time.perf_counter() - start
             self._last = time.perf_counter()
+
+    def _starving(self, r: Request) -> None:
+        """A request begun again once more: warned about at the third time, refused at the DROP_RESTARTS-th. Each
+        restart means it ran through max_staleness + 1 updates without stopping, so it will not stop the next time
+        either while the trainer keeps its pace: under `drop` it would hold its slot, and its group, for ever."""
+        if r.restarts == 3 and not self._warned:
+            self._warned = True
+            log.warning("rollout.partial: drop has begun a request again 3 times: it needs more decoding than "
+                        "placement.max_staleness=%d updates allow, and may never finish; raise "
+                        "placement.max_staleness or set rollout.partial: resume", self.max_staleness)
+        if r.restarts >= DROP_RESTARTS:
+            raise RuntimeError(
+                f"rollout.partial: drop has begun a request again {r.restarts} times ({len(r.prompt_ids)} prompt "
+                f"tokens, up to {r.max_new_tokens} new): it needs more decoding than placement.max_staleness="
+                f"{self.max_staleness} updates allow, so it would never finish and its group would never train. "
+                "Set rollout.partial: resume (its tokens beyond the bound are masked, the rest trained), or raise "
+                "placement.max_staleness")
 
     def take(self) -> StreamReport:
         """The groups finished since the last take, and the time since."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import struct
 
@@ -116,6 +117,18 @@ def test_a_prompt_that_is_neither_text_nor_messages_is_refused(tmp_path, value, 
     with pytest.raises(DataError, match=rf"d\.jsonl:2: field 'question' must be a string or a list of chat messages "
                                         rf"\(\{{'role', 'content'\}} dicts\), got {got}"):
         load_task_rows("jsonl", str(path), "question", "answer", "train")
+
+
+@pytest.mark.parametrize("value", [0, -3, "16", 2.5, True])
+def test_a_rows_own_completion_limit_must_be_a_positive_integer(tmp_path, value):
+    rows = [{"question": "1+1=", "answer": "2", "max_new_tokens": 16}, {"question": "2+2=", "answer": "4"},
+            {"question": "3+3=", "answer": "6", "max_new_tokens": value}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match=rf"d\.jsonl:3: field 'max_new_tokens' .* must be a positive integer, got "
+                                        rf"{re.escape(repr(value))}"):
+        load_task_rows("jsonl", str(path), "question", "answer", "train")
+    good = load_task_rows("jsonl", str(write_jsonl(tmp_path / "ok.jsonl", rows[:2])), "question", "answer", "train")
+    assert [r.get("max_new_tokens") for r in good] == [16, None]  # kept in the row, where sampling reads it
 
 
 def test_non_utf8_bytes_name_the_file_line_and_offset(tmp_path):

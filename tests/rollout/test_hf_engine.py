@@ -181,3 +181,20 @@ def test_the_prefill_runs_each_prompt_once(tiny_model, prompts, fast_decode):
     assert batches[0] == (len(prompts), max(map(len, prompts)))  # the prefill: 3 prompts, not 12 rows
     assert all(b[0] == 4 * len(prompts) for b in batches[1:])  # then every row decodes
     assert len({tuple(c.completion_ids) for c in out}) > len(prompts)  # a group's rows are sampled apart
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_a_limit_per_prompt_stops_each_prompts_completions_at_its_own_length(engine, prompts, tiny_model,
+                                                                             fast_decode):
+    engine.fast_decode = fast_decode
+    try:
+        out = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_new_tokens=6, max_tokens=(2, 6, 4),
+                                                ignore_eos=True, seed=5))
+    finally:
+        engine.fast_decode = True
+    assert [len(c.completion_ids) for c in out] == [2, 2, 6, 6, 4, 4]
+    assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.completion_ids) for c in out)
+    model = load_causal_lm(tiny_model)
+    for c in out:  # the rows that stop early leave the batch; the numbers of the others do not change
+        ref = recompute_logprobs(model, c.prompt_ids, c.completion_ids, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)

@@ -136,6 +136,13 @@ def test_seed_reproducible_and_distinct_per_prompt(engine):
     assert a[0].completion_ids != a[2].completion_ids  # same prompt twice in a batch: different samples
 
 
+def test_a_limit_per_prompt_stops_each_prompts_completions_there(engine):
+    s = Sampling(n=2, temperature=1.0, max_new_tokens=8, max_tokens=(3, 8), ignore_eos=True, seed=7)
+    out = engine.generate(PROMPTS[:2], s)
+    assert [len(c.completion_ids) for c in out] == [3, 3, 8, 8]
+    assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.completion_ids) for c in out)
+
+
 def test_stop_token_ends_with_stop(engine):
     first = engine.generate([PROMPTS[0]], greedy(8))[0].completion_ids
     stop_tok = first[3]
