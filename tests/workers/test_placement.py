@@ -209,17 +209,22 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("samplers", [1, 2])
-def test_async_sampling_keeps_the_staleness_bound_and_learns(session, demo_path, tmp_path, samplers):
+def split_demo_config(demo_path: Path, out: Path, steps: int, samplers: int, schedule: str):
+    """The demo on 1 trainer and `samplers` Ray samplers under `schedule`, one version of staleness allowed."""
     from tandem.cli import DEMO_DEFAULTS
 
-    steps = 12 if samplers == 1 else 6
-    cfg = load_config(None, [
-        f"model.path={demo_path}", f"run.output_dir={tmp_path}", f"run.steps={steps}", "run.eval_every=0",
+    return load_config(None, [
+        f"model.path={demo_path}", f"run.output_dir={out}", f"run.steps={steps}", "run.eval_every=0",
         "run.save_every=0", "run.progress=false", "run.plots=false", "run.report_to=[]", "data.eval_size=200",
         "reward_pool.workers=0", "placement.backend=ray", "placement.mode=split",
-        f"placement.rollout_workers={samplers}", "placement.schedule=async", "placement.max_staleness=1"],
+        f"placement.rollout_workers={samplers}", f"placement.schedule={schedule}", "placement.max_staleness=1"],
         DEMO_DEFAULTS)
+
+
+@pytest.mark.parametrize("samplers", [1, 2])
+def test_async_sampling_keeps_the_staleness_bound_and_learns(session, demo_path, tmp_path, samplers):
+    steps = 12 if samplers == 1 else 6
+    cfg = split_demo_config(demo_path, tmp_path, steps, samplers, "async")
     summary = train(cfg)
     rows = [r for r in read_metrics(tmp_path) if r["step"] > 0]
     staleness = [r["async/staleness"] for r in rows]
@@ -243,15 +248,8 @@ def test_streaming_split_samplers_keep_the_per_token_bound_and_learn(session, de
     """placement.schedule: stream on Ray samplers, new weights landing while requests are in flight: each step
     trains whole groups whose tokens are all within the bound, tagged with the versions that sampled them, and
     the run learns."""
-    from tandem.cli import DEMO_DEFAULTS
-
     steps = 12 if samplers == 1 else 6
-    cfg = load_config(None, [
-        f"model.path={demo_path}", f"run.output_dir={tmp_path}", f"run.steps={steps}", "run.eval_every=0",
-        "run.save_every=0", "run.progress=false", "run.plots=false", "run.report_to=[]", "data.eval_size=200",
-        "reward_pool.workers=0", "placement.backend=ray", "placement.mode=split",
-        f"placement.rollout_workers={samplers}", "placement.schedule=stream", "placement.max_staleness=1"],
-        DEMO_DEFAULTS)
+    cfg = split_demo_config(demo_path, tmp_path, steps, samplers, "stream")
     summary = train(cfg)
     rows = [r for r in read_metrics(tmp_path) if r["step"] > 0]
     assert all(r["async/staleness"] <= 1 and r["async/staleness_mean"] <= 1 for r in rows)
