@@ -1,6 +1,6 @@
 """Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both]
 
 Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
 then tandem, each in a fresh child process (same process tree, same torch thread count), and prints one table:
@@ -12,7 +12,8 @@ FLOPs at the rated matmul rate) and its matrix products alone at the phase's own
 micro-batch's tokens; `achievable_seconds`), which separates a framework's overhead from the machine's rate at that
 shape, and where each phase's time goes (matrix products, decode attention, the rest). `--engine vllm` samples
 tandem's rollouts with vLLM in its process (TRL keeps its HF generate); `--engine both` runs tandem with each
-engine in the same invocation, side by side.
+engine in the same invocation, side by side; `--kv-cache-dtype both` runs the hf engine with a float32 and with a
+bfloat16 KV cache (`rollout.kv_cache_dtype`), each against its own attention alone.
 
 Workloads (both: KL 0.04 with the k3 estimator and a loaded reference model, token-mean loss (TRL's `dapo`),
 clip 0.2, fp32, no gradient checkpointing, no dropping of zero-variance groups, temperature 1, lr 1e-5):
@@ -154,7 +155,7 @@ def gemm_seconds(shapes: list[tuple[int, int]], rows: int, backward: bool, repea
     return min(once() for _ in range(repeats))
 
 
-def decode_attention_seconds(w: Workload, prompt_tokens: int) -> float:
+def decode_attention_seconds(w: Workload, prompt_tokens: int, dtype: str = "float32") -> float:
     """A rollout's attention alone: every decode step's one query per row and head against the row's keys so far
     (PyTorch's SDPA on per-row caches, as HF generate and tandem's engine for short prompts run it), all layers.
     Not in the FLOP floor (a few % of the FLOPs), but a matrix-vector product per row and KV head, which runs far
@@ -162,9 +163,9 @@ def decode_attention_seconds(w: Workload, prompt_tokens: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    head_dim, rows = w.hidden // w.heads, w.completions
-    k = torch.randn(rows, w.kv_heads, prompt_tokens + w.new_tokens, head_dim)
-    v, q = torch.randn_like(k), torch.randn(rows, w.heads, 1, head_dim)
+    head_dim, rows, dt = w.hidden // w.heads, w.completions, getattr(torch, dtype)
+    k = torch.randn(rows, w.kv_heads, prompt_tokens + w.new_tokens, head_dim, dtype=dt)
+    v, q = torch.randn_like(k), torch.randn(rows, w.heads, 1, head_dim, dtype=dt)
     F.scaled_dot_product_attention(q, k, v, enable_gqa=w.heads != w.kv_heads)  # first-call setup, not timed
     start = time.perf_counter()
     for c in range(prompt_tokens + 1, prompt_tokens + w.new_tokens + 1):
@@ -184,7 +185,7 @@ def achievable_seconds(w: Workload, vocab: int, prompt_tokens: int) -> dict[str,
     layer, head = shapes[:-1], shapes[-1:]
     tokens = w.micro_rows * (prompt_tokens + w.new_tokens)
     micro = w.completions / w.micro_rows
-    decode = gemm_seconds(layer * w.layers + head, w.completions, backward=False, repeats=5)
+    decode = gemm_seconds(layer * w.layers + head, w.completions, backward=False, repeats=20)  # ms each: noisy
 
     def stack(backward: bool) -> float:
         return micro * (w.layers * gemm_seconds(layer, tokens, backward)
@@ -288,7 +289,8 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
 # ---------------------------------------------------------------------------------------------- tandem child
 
 
-def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, engine: str = "hf") -> dict:
+def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, engine: str = "hf",
+               kv_cache_dtype: str = "auto") -> dict:
     from tandem.config import load_config
     from tandem.trainer import train
 
@@ -308,6 +310,7 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
         "data.eval_size=1", f"algo.kl_coef={KL}", "algo.kl_estimator=k3",
         "algo.loss_agg=token_mean", f"algo.clip_low={CLIP}", f"algo.clip_high={CLIP}", "algo.adv_eps=1e-4",
         f"optim.lr={LR}", "rewards=[{name: arithmetic_exact}]", "reward_pool.workers=0", f"rollout.engine={engine}",
+        f"rollout.kv_cache_dtype={kv_cache_dtype}",
     ])
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -324,14 +327,16 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
 # ---------------------------------------------------------------------------------------------- parent
 
 
-def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf") -> dict:
+def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf",
+          kv_cache_dtype: str = "auto") -> dict:
     """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other)."""
-    result = work / f"{framework}-{engine}-{w.name}-{w.prompts}x{w.generations}x{w.new_tokens}-c{w.context}.json"
+    result = work / (f"{framework}-{engine}-{kv_cache_dtype}-{w.name}-{w.prompts}x{w.generations}x{w.new_tokens}"
+                     f"-c{w.context}.json")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", framework,
            "--spec", w.to_json(), "--model", str(model), "--out", str(result), "--steps", str(steps),
-           "--threads", str(threads), "--engine", engine]
+           "--threads", str(threads), "--engine", engine, "--kv-cache-dtype", kv_cache_dtype]
     proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout[-6000:])
@@ -357,6 +362,9 @@ def main() -> None:
     ap.add_argument("--engine", choices=["hf", "vllm", "both"], default="hf",
                     help="tandem's rollout engine; both: tandem twice, side by side (TRL always samples with its HF "
                          "generate)")
+    ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "both", "auto"], default="float32",
+                    help="tandem's hf engine's KV cache (rollout.kv_cache_dtype); both: the hf engine twice, each "
+                         "cache side by side. Default float32, the reference the x GEMMs targets are stated for")
     ap.add_argument("--child", choices=["trl", "tandem"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -369,7 +377,7 @@ def main() -> None:
         if args.child == "trl":
             res = run_trl(w, Path(args.model), out, args.steps, args.threads)
         else:
-            res = run_tandem(w, Path(args.model), out, args.steps, args.threads, args.engine)
+            res = run_tandem(w, Path(args.model), out, args.steps, args.threads, args.engine, args.kv_cache_dtype)
         Path(args.out).write_text(json.dumps(res))
         return
 
@@ -377,12 +385,18 @@ def main() -> None:
 
     names = ["small", "large"] if args.workload == "both" else [args.workload]
     engines = ["hf", "vllm"] if args.engine == "both" else [args.engine]
-    # (label, framework, tandem's engine): TRL once, tandem once per engine
-    runs = [(fw if fw == "trl" or len(engines) == 1 else f"tandem-{e}", fw, e)
-            for fw in args.frameworks for e in (["hf"] if fw == "trl" else engines)]
-    labels = [label for label, _, _ in runs]
+    caches = ["float32", "bfloat16"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
+    variants = [(e, kv) for e in engines for kv in (caches if e == "hf" else ["auto"])]  # vLLM: the model's dtype
+    # (label, framework, tandem's engine, its KV cache dtype): TRL once, tandem once per variant
+    runs = [("trl", "trl", "hf", "auto")] if "trl" in args.frameworks else []
+    if "tandem" in args.frameworks:
+        runs += [("tandem" if len(variants) == 1 else f"tandem-{e}" + ("-bf16kv" if kv == "bfloat16" else ""),
+                  "tandem", e, kv) for e, kv in variants]
+    labels = [label for label, *_ in runs]
+    from tandem.rollout.llama_decode import native_bf16
+
     print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, tandem's engine: {args.engine}, "
-          f"load average at start={os.getloadavg()}")
+          f"kv cache: {args.kv_cache_dtype}, native bf16: {native_bf16()}, load average at start={os.getloadavg()}")
     rate = matmul_gflops(args.threads)
     print(f"fp32 matmul rate at {args.threads} thread(s): {rate:.1f} GFLOP/s")
     table = []
@@ -396,15 +410,17 @@ def main() -> None:
             phases = phase_flops(w, params, plen)
             flops = sum(phases.values())
             res = {}
-            for label, fw, engine in runs:
+            for label, fw, engine, kv in runs:
                 start = time.perf_counter()
                 res[label] = summarize(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads,
-                                             engine), args.warmup)
+                                             engine, kv), args.warmup)
                 print(f"  {name:5s} {label:6s} done in {time.perf_counter() - start:.0f} s, steps: "
                       + ", ".join(f"{t:.3f}" for t in res[label]["all"]) + f"; load {os.getloadavg()[0]:.2f}",
                       flush=True)
             gemms = achievable_seconds(w, vocab_size(work / f"model-{name}"), plen)
-            table.append((w, params, flops, steps, res, phases, gemms, decode_attention_seconds(w, plen)))
+            attention = {label: decode_attention_seconds(w, plen, "bfloat16" if kv == "bfloat16" else "float32")
+                         for label, _, _, kv in runs}
+            table.append((w, params, flops, steps, res, phases, gemms, attention))
 
     floor_note = f"floor = FLOPs / {rate:.1f} GFLOP/s"
     print(f"\nthreads={args.threads}; s/step = median of the measured steps after {args.warmup} warm-up; {floor_note}")
@@ -425,7 +441,7 @@ def main() -> None:
     for w, _, _, _, res, *_ in table:
         for fw, r in res.items():
             print(f"  {w.name:5s} {fw:6s} " + "  ".join(f"{k}={v:.3f}" for k, v in r["phases"].items()))
-        for label, fw, engine in runs:
+        for label, fw, engine, _ in runs:
             if fw == "tandem":
                 r = res[label]
                 print(f"  {w.name:5s} {label} weight sync ({engine} engine, one process): "
@@ -446,7 +462,8 @@ def main() -> None:
             print(line)
     for w, *_, attention in table:
         print(f"{w.name} rollout: its attention alone (SDPA, one query per row, all layers and steps) takes "
-              f"{attention:.3f} s on top of its matrix products")
+              f"{attention['trl' if 'trl' in attention else labels[0]]:.3f} s on top of its matrix products"
+              + "".join(f"; bf16 cache: {a:.3f} s" for label, a in attention.items() if label.endswith("bf16kv")))
     print("\nwhere each phase's time goes: its matrix products alone, the rollout's decode attention alone (both "
           "measured above), and the rest (overhead: dispatch, Python, sampling, copies), as shares of the phase")
     head = f"{'workload':9s} {'phase':9s} " + " ".join(f"{fw + ' GEMM':>13s} {'attn':>5s} {'rest':>5s}" for fw in labels)
@@ -457,7 +474,7 @@ def main() -> None:
             line = f"{w.name:9s} {phase:9s} "
             for fw in labels:
                 t = res[fw]["phases"][phase]
-                attn = attention if phase == "rollout" else 0.0
+                attn = attention[fw] if phase == "rollout" else 0.0
                 line += f"{gemms[phase] / t:13.2f} {attn / t:5.2f} {max(0.0, t - gemms[phase] - attn) / t:5.2f} "
             print(line)
     print(f"load average at end={os.getloadavg()}")

@@ -204,6 +204,16 @@ class RolloutConfig(Section):
         False, description="Keep sampling past EOS: every completion is max_new_tokens long (stop strings and "
         "stop_token_ids still stop). For benchmarks at a fixed length; training normally wants EOS.",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="The hf engine's KV cache dtype (its lean decoder: Llama-family models on CPU; other "
+        "models keep the model's dtype). `bfloat16` under a float32 model rounds the keys and values once as they "
+        "are stored, so decode attention, which reads every row's cache each step, reads half the bytes; the "
+        "queries are rounded too, the products and the softmax run in float32. It costs a logprob gap between "
+        "sampler and trainer (the `auto` max_logprob_diff then allows bf16's), measured in docs/design-notes.md. "
+        "`auto`: bfloat16 for a float32 model where the processor has native bf16 (AVX-512 BF16, AMX), else the "
+        "model's dtype: without it bf16 arithmetic is emulated, and attention measured ~3x slower. vLLM's cache "
+        "follows the model's dtype (keep auto).",
+    )
     max_in_flight: int = Field(
         0, ge=0, description="placement.schedule: stream: the requests (completions) each sampler keeps decoding "
         "at once; new ones start as others stop. 0 = batch.prompts_per_step x batch.group_size (a step's rows). "
@@ -249,7 +259,17 @@ class RolloutConfig(Section):
         """`max_logprob_diff` with `auto` resolved for a model of `dtype`."""
         if self.max_logprob_diff != "auto":
             return self.max_logprob_diff
-        return 1e-3 if dtype == "float32" else 5e-2
+        return 1e-3 if dtype == "float32" and not self.kv_cache_rounds(dtype) else 5e-2
+
+    def kv_cache_rounds(self, dtype: str) -> bool:
+        """Whether the engine's KV cache is narrower than a model of `dtype` (kv_cache_dtype resolved here)."""
+        if self.engine != "hf" or dtype != "float32":
+            return False
+        from tandem.rollout.llama_decode import kv_cache_dtype  # torch, which the config needs nowhere else
+
+        import torch
+
+        return kv_cache_dtype(self.kv_cache_dtype, torch.float32) != torch.float32
 
 
 class BatchConfig(Section):
@@ -708,6 +728,9 @@ class Config(Section):
         if colocated_vllm and r.vllm.mode == "server":
             raise ConfigError("rollout.vllm.mode: server inside colocated Ray workers is not supported yet; use "
                               "rollout.vllm.mode: inprocess (one in-process engine per worker)")
+        if r.engine == "vllm" and r.kv_cache_dtype != "auto":
+            raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} is the hf engine's; vLLM's KV cache "
+                              "follows the model's dtype (model.dtype); set rollout.kv_cache_dtype=auto")
         if pl.mode == "split" and r.tensor_parallel > 1:
             raise ConfigError("rollout.tensor_parallel > 1 is not supported with placement.mode: split yet; use "
                               "placement.mode: colocate, or rollout.tensor_parallel=1")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Iterable
 
@@ -13,6 +14,8 @@ from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
 from tandem.rollout import llama_decode
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
+
+log = logging.getLogger(__name__)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -40,11 +43,15 @@ def _draw(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator],
     scaled = logits / sampling.temperature
     logp_all = torch.log_softmax(scaled, dim=-1)
     probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
+    # torch.multinomial's own draw for one sample (argmax of probs / Exp(1) noise), written out: the same tokens
+    # from the same generator state, without its argument checks, and one division for all the prompts' rows
+    noise = torch.empty_like(probs)
     if len(gens) == 1:
-        tok = torch.multinomial(probs, 1, generator=gens[0]).squeeze(-1)
+        noise.exponential_(generator=gens[0])
     else:
-        tok = torch.cat([torch.multinomial(probs[i * n:(i + 1) * n], 1, generator=g) for i, g in enumerate(gens)])
-        tok = tok.squeeze(-1)
+        for i, g in enumerate(gens):
+            noise[i * n:(i + 1) * n].exponential_(generator=g)
+    tok = probs.div_(noise).argmax(-1)
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 
@@ -61,7 +68,7 @@ class HFEngine:
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
-                 model=None, tokenizer=None, device: str | None = None):
+                 model=None, tokenizer=None, device: str | None = None, kv_cache_dtype: str = "auto"):
         self.tokenizer = tokenizer or load_tokenizer(model_path, trust_remote_code)
         self.model = model if model is not None else load_causal_lm(model_path, dtype, trust_remote_code)
         if device is not None:
@@ -74,6 +81,11 @@ class HFEngine:
         # the routes of each sampled token, for the trainer's router replay and route mismatch (tandem.moe)
         self.routing = moe.Routing(self.model) if moe.routers(self.model) else None
         self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
+        # the lean decoder's KV cache dtype (rollout.kv_cache_dtype); the HF forward keeps the model's
+        self.kv_dtype = llama_decode.kv_cache_dtype(kv_cache_dtype, next(self.model.parameters()).dtype)
+        if kv_cache_dtype != "auto" and not llama_decode.supports(self.model):
+            log.warning("rollout.kv_cache_dtype=%s applies to the lean decoder (Llama-family models on CPU); this "
+                        "model decodes with the HF forward, its cache in the model's dtype", kv_cache_dtype)
         if llama_decode.decodes(self.model):  # q/k/v and gate/up as views of one tensor each: read with no copy
             llama_decode.fuse_parameters(self.model)
         self._params = dict(self.model.named_parameters())
@@ -154,7 +166,8 @@ class HFEngine:
         next_pos = pos[:, -1].repeat_interleave(n) + 1
         del out
         if self.fast_decode and llama_decode.supports(self.model) and max_new_tokens > 1:
-            return logits, next_pos, llama_decode.StaticDecoder(self.model, cache, n, max_new_tokens, attn).step
+            decoder = llama_decode.StaticDecoder(self.model, cache, n, max_new_tokens, attn, self.kv_dtype)
+            return logits, next_pos, decoder.step
         cache.batch_repeat_interleave(n)
         seen = [attn.repeat_interleave(n, dim=0)]  # the rows' attention mask so far (a step adds a column)
 

@@ -24,6 +24,8 @@ def decodes(model) -> bool:
         return False  # sliding-window layers need their own mask
     if getattr(cfg, "pretraining_tp", 1) != 1 or getattr(model.lm_head, "bias", None) is not None:
         return False
+    if any(kind in str(getattr(model.model.rotary_emb, "rope_type", "default")) for kind in ("dynamic", "longrope")):
+        return False  # frequencies that depend on the longest position fed: no fixed table (`rotary_tables`)
     attn = model.model.layers[0].self_attn
     return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
 
@@ -38,16 +40,48 @@ def supports(model) -> bool:
     return next(model.parameters()).device.type == "cpu" and decodes(model)
 
 
+def native_bf16() -> bool:
+    """The processor converts and multiplies bfloat16 natively (AVX-512 BF16 or AMX): there a bf16 KV cache's
+    attention reads half the bytes at no extra cost. Without it (AVX2) bf16 arithmetic is emulated and a bf16
+    cache's attention measured about 3x slower than float32's (`bench/bench_trl.py --kv-cache-dtype`)."""
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported",
+                                                                         "_is_amx_tile_supported"))
+
+
+def kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The lean decoder's KV cache dtype for `rollout.kv_cache_dtype` (auto | float32 | bfloat16): `auto` is
+    bfloat16 for a float32 model where the processor has native bf16, else the model's dtype."""
+    if requested == "auto":
+        return torch.bfloat16 if model_dtype == torch.float32 and native_bf16() else model_dtype
+    if requested not in ("float32", "bfloat16"):
+        raise ValueError(f"kv_cache_dtype {requested!r}: use auto, float32 or bfloat16")
+    return getattr(torch, requested)
+
+
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.to(torch.float32)
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:  # one fused op, the same float32 result
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    h = x.to(torch.float32)  # HF's order: normalise in float32, round to the model's dtype, then scale
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)
+    return norm.weight * h.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotary_tables(model, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of rotary positions 0..positions-1 ([positions, head_dim] each), by the model's own rotary
+    module (each entry is one product and one cos/sin, so a table equals the per-step values bit for bit); the sin
+    table's first half negated, which turns HF's `rotate_half(x) * sin` into a swap of x's halves times it."""
+    p = next(model.parameters())
+    at = torch.arange(positions, device=p.device)[None, :]
+    cos, sin = model.model.rotary_emb(torch.empty(0, dtype=p.dtype, device=p.device), at)
+    half = sin.shape[-1] // 2
+    return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's `x * cos + rotate_half(x) * sin` on [B, heads, D] (cos, sin: [B, 1, D]) in 3 ops instead of 7."""
+    B, heads, D = x.shape
+    swapped = x.view(B, heads, 2, D // 2).flip(2).view(B, heads, D)
+    return x * cos + swapped * signed_sin
 
 
 # Hold a group's prompt once (split attention) when the keys and values its rows would otherwise each hold and read
@@ -75,9 +109,15 @@ class StaticDecoder:
     The q/k/v and gate/up projections are concatenated into one weight each when the decoder is built (once per
     `generate`, after any weight load), so a layer is 4 matrix products instead of 7: fewer dispatches, and
     wider products that the BLAS runs closer to its peak on a few rows.
+
+    `kv_dtype` (default: the model's) is the cache's dtype: with bfloat16 under a float32 model the keys and values
+    are rounded once as they are stored, and attention reads half the bytes: its queries are rounded to bf16 too,
+    the products accumulate in float32 and the softmax runs in float32 (SDPA's CPU kernel, or the split path's
+    explicit `.float()`); its output returns to the model's dtype.
     """
 
-    def __init__(self, model, cache, n: int, max_new: int, prompt_mask: torch.Tensor):
+    def __init__(self, model, cache, n: int, max_new: int, prompt_mask: torch.Tensor,
+                 kv_dtype: torch.dtype | None = None):
         self.model = model
         self.layers = model.model.layers
         a = self.layers[0].self_attn
@@ -88,23 +128,26 @@ class StaticDecoder:
         U, P = prompt_mask.shape
         self.prompt_len = P
         p = next(model.parameters())
-        repeated = (n - 1) * U * P * self.kv_heads * self.head_dim * 2 * p.element_size()  # keys and values
+        self.kv_dtype = kv_dtype or p.dtype  # the cache's; the queries are rounded to it for attention
+        item = torch.empty((), dtype=self.kv_dtype).element_size()
+        repeated = (n - 1) * U * P * self.kv_heads * self.head_dim * 2 * item  # keys and values
         self.shared = n > 1 and repeated >= SHARED_PROMPT_MIN_BYTES
         own = max_new if self.shared else P + max_new  # slots of a row's own cache
         self.prompt_k, self.prompt_v, self.k, self.v = [], [], [], []
         for i in range(len(self.layers)):
             k0, v0 = _layer_kv(cache, i)  # [U, kv_heads, P, head_dim]
-            k = torch.empty((U * n, self.kv_heads, own, self.head_dim), dtype=k0.dtype, device=p.device)
+            k = torch.empty((U * n, self.kv_heads, own, self.head_dim), dtype=self.kv_dtype, device=p.device)
             v = torch.empty_like(k)
             if self.shared:
-                self.prompt_k.append(k0)
-                self.prompt_v.append(v0)
+                self.prompt_k.append(k0.to(self.kv_dtype))
+                self.prompt_v.append(v0.to(self.kv_dtype))
             else:
                 k[:, :, :P] = k0.repeat_interleave(n, dim=0)
                 v[:, :, :P] = v0.repeat_interleave(n, dim=0)
             self.k.append(k)
             self.v.append(v)
         self.w = fused_layers(model)
+        self.rotary = rotary_tables(model, int(prompt_mask.sum(-1).max()) + max_new)
         if self.shared:  # added to a prompt's attention scores: -inf on its left padding
             self.prompt_bias = torch.zeros((U, 1, 1, P), dtype=torch.float32, device=p.device)
             self.prompt_bias.masked_fill_(~prompt_mask.bool()[:, None, None, :], float("-inf"))
@@ -123,12 +166,13 @@ class StaticDecoder:
             kc[:, :, slot] = k
             vc[:, :, slot] = v
             if self.shared:
-                return self._split_attention(q, i, slot + 1)
-            return F.scaled_dot_product_attention(q.unsqueeze(2), kc[:, :, : slot + 1], vc[:, :, : slot + 1],
-                                                  attn_mask=self.mask[:, None, None, : slot + 1], scale=self.scaling,
-                                                  enable_gqa=self.heads != self.kv_heads)
+                return self._split_attention(q.to(self.kv_dtype), i, slot + 1).to(q.dtype)
+            return F.scaled_dot_product_attention(q.unsqueeze(2).to(self.kv_dtype), kc[:, :, : slot + 1],
+                                                  vc[:, :, : slot + 1], attn_mask=self.mask[:, None, None, : slot + 1],
+                                                  scale=self.scaling, enable_gqa=self.heads != self.kv_heads
+                                                  ).to(q.dtype)
 
-        logits = decode_layers(self.model, self.w, tokens, positions, attend)
+        logits = decode_layers(self.model, self.w, self.rotary, tokens, positions, attend)
         self.generated += 1
         return logits
 
@@ -146,19 +190,20 @@ class StaticDecoder:
         return o + torch.matmul(weights[..., self.prompt_len:], vc[:, :, :own])
 
 
-def decode_layers(model, fused: list[tuple], tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-    """One token per row through every layer (`fused`: `fused_layers(model)`): logits [B, V]. `attend(layer, q [B,
-    H, D], k [B, KV, D], v [B, KV, D])` stores the row's new key and value where its cache keeps them and returns
-    its attention output ([B, H, D], or any shape of B x H*D values)."""
+def decode_layers(model, fused: list[tuple], rotary: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor,
+                  positions: torch.Tensor, attend) -> torch.Tensor:
+    """One token per row through every layer (`fused`: `fused_layers(model)`, `rotary`: `rotary_tables` covering
+    every position fed): logits [B, V]. `attend(layer, q [B, H, D], k [B, KV, D], v [B, KV, D])` stores the row's
+    new key and value where its cache keeps them and returns its attention output ([B, H, D], or any shape of B x
+    H*D values)."""
     cfg = model.config
     B, H, KV = tokens.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads
     D, I = model.model.layers[0].self_attn.head_dim, model.model.layers[0].mlp.gate_proj.out_features
     x = model.model.embed_tokens(tokens)  # [B, hidden]
-    cos, sin = model.model.rotary_emb(x, positions[:, None])  # [B, 1, D]: broadcasts over heads
+    cos, signed_sin = rotary[0][positions][:, None], rotary[1][positions][:, None]  # [B, 1, D]: broadcast over heads
     for i, (n1, w_qkv, b_qkv, w_o, b_o, n2, w_gu, b_gu, w_d, b_d) in enumerate(fused):
         qkv = F.linear(_rms_norm(x, n1), w_qkv, b_qkv).view(B, H + 2 * KV, D)
-        qk = qkv[:, : H + KV]
-        qk = qk * cos + _rotate_half(qk) * sin  # rotary on q and k heads together
+        qk = _rotate(qkv[:, : H + KV], cos, signed_sin)  # rotary on q and k heads together
         o = attend(i, qk[:, :H], qk[:, H:], qkv[:, H + KV:])
         x = x + F.linear(o.reshape(B, H * D), w_o, b_o)
         gu = F.linear(_rms_norm(x, n2), w_gu, b_gu)
@@ -179,17 +224,19 @@ class SlotDecoder:
     positions. After the model's weights change, `refresh` re-fuses them; the rows' keys and values are then stale,
     and the caller prefills them again (`fill`) if it wants them exact."""
 
-    def __init__(self, model, slots: int, capacity: int):
+    def __init__(self, model, slots: int, capacity: int, kv_dtype: torch.dtype | None = None):
         self.model, self.slots, self.capacity = model, slots, capacity
         a, p = model.model.layers[0].self_attn, next(model.parameters())
         cfg = model.config
         self.scaling, self.heads, self.kv_heads = a.scaling, cfg.num_attention_heads, cfg.num_key_value_heads
         shape = (slots, self.kv_heads, capacity, a.head_dim)
-        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.model.layers]
-        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.model.layers]
+        self.kv_dtype = kv_dtype or p.dtype
+        self.k = [torch.zeros(shape, dtype=self.kv_dtype, device=p.device) for _ in model.model.layers]
+        self.v = [torch.zeros(shape, dtype=self.kv_dtype, device=p.device) for _ in model.model.layers]
         self.length = torch.zeros(slots, dtype=torch.long, device=p.device)  # positions held by each slot
         self.rows: list = []  # the key of the row in each slot
         self.w = fused_layers(model)
+        self.rotary = rotary_tables(model, capacity)
 
     def refresh(self) -> None:
         """The model's weights changed: decode with the new ones (the rows' caches still hold the old ones')."""
@@ -269,13 +316,14 @@ class SlotDecoder:
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k[i], self.v[i]
-            kc[rows, :, pos] = k
-            vc[rows, :, pos] = v
-            return F.scaled_dot_product_attention(q.unsqueeze(2), kc[:b, :, :upto], vc[:b, :, :upto],
-                                                  attn_mask=seen[:, None, None, :], scale=self.scaling,
-                                                  enable_gqa=self.heads != self.kv_heads)
+            kc[rows, :, pos] = k.to(self.kv_dtype)  # an indexed write does not cast
+            vc[rows, :, pos] = v.to(self.kv_dtype)
+            return F.scaled_dot_product_attention(q.unsqueeze(2).to(self.kv_dtype), kc[:b, :, :upto],
+                                                  vc[:b, :, :upto], attn_mask=seen[:, None, None, :],
+                                                  scale=self.scaling, enable_gqa=self.heads != self.kv_heads
+                                                  ).to(q.dtype)
 
-        logits = decode_layers(self.model, self.w, tokens, pos.clone(), attend)
+        logits = decode_layers(self.model, self.w, self.rotary, tokens, pos.clone(), attend)
         self.length[:b] += 1
         return logits
 

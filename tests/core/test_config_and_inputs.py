@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tandem.config import ConfigError, load_config
 from tandem.data.sources import GSM8K_INSTRUCTION, DataError, gsm8k_final_answer, load_task_rows, read_rows, render_prompt
@@ -97,6 +98,8 @@ def test_bad_value_names_field_and_value():
     (["placement.backend=ray", "placement.workers=4", "placement.expert_parallel=2", "placement.tensor_parallel=2"],
      r"placement\.expert_parallel: 2 with placement\.tensor_parallel: 2: expert parallelism replaces tensor "
      r"parallelism for the experts"),
+    (["rollout.engine=vllm", "rollout.kv_cache_dtype=bfloat16"], r"rollout\.kv_cache_dtype: bfloat16 is the hf "
+     r"engine's; vLLM's KV cache follows the model's dtype"),
 ])
 def test_impossible_arithmetic_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -214,3 +217,19 @@ def test_flags_and_overrides_in_any_order(argv, config, overrides, flags):
     args = build_parser().parse_args(argv)
     assert (args.config, args.overrides) == (config, overrides)
     assert {k: getattr(args, k) for k in flags} == flags
+
+
+def test_the_logprob_guard_allows_a_bf16_kv_caches_rounding_where_the_cache_is_bf16(monkeypatch):
+    """`max_logprob_diff: auto` is float32's 1e-3 only where the hf engine's KV cache stays float32: an explicit
+    bfloat16 cache, or `auto` on a processor with native bf16, gets bf16's 5e-2 (its measured gap is above 1e-3)."""
+    from tandem.rollout import llama_decode
+
+    bound = lambda *o: load_config(None, list(o)).rollout.logprob_diff_bound("float32")  # noqa: E731
+    monkeypatch.setattr(llama_decode, "native_bf16", lambda: False)
+    assert bound() == 1e-3 and bound("rollout.kv_cache_dtype=float32") == 1e-3
+    assert bound("rollout.kv_cache_dtype=bfloat16") == 5e-2
+    monkeypatch.setattr(llama_decode, "native_bf16", lambda: True)
+    assert bound() == 5e-2 and bound("rollout.kv_cache_dtype=float32") == 1e-3
+    assert bound("rollout.engine=vllm") == 1e-3  # vLLM's cache is the model's dtype
+    assert llama_decode.kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert bound("rollout.max_logprob_diff=0.5", "rollout.kv_cache_dtype=bfloat16") == 0.5

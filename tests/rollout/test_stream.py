@@ -129,3 +129,17 @@ def test_the_stream_refuses_a_model_it_cannot_decode(engine, monkeypatch):
     monkeypatch.setattr(llama_decode, "decodes", lambda model: False)
     with pytest.raises(ValueError, match="Llama-family"):
         _stream(engine)
+
+
+def test_a_bf16_kv_cache_streams_with_bf16_slots_and_close_logprobs(tiny_model, prompts):
+    """rollout.kv_cache_dtype=bfloat16 reaches the streaming decoder: its slots hold bf16 keys and values, and the
+    logprobs stay within bf16's rounding of a fresh forward (float32's: 1e-5, above)."""
+    engine = HFEngine(str(tiny_model), seed=0, kv_cache_dtype="bfloat16")
+    stream = _stream(engine, slots=2)
+    assert stream.decoder.k[0].dtype == stream.decoder.v[0].dtype == torch.bfloat16
+    for i, p in enumerate(prompts):
+        stream.add(Request(i, p, 4 + 2 * i, seed=i))
+    done = _run(stream, 0)
+    gaps = torch.cat([(torch.tensor(f.request.logprobs) - forward_logprobs(engine.model, f.request.prompt_ids,
+                                                                          f.request.tokens)).abs() for f in done])
+    assert len(done) == 4 and float(gaps.max()) < 1e-2 and float(gaps.mean()) > 1e-6, gaps
