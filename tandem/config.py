@@ -250,7 +250,8 @@ class RolloutConfig(Section):
         "sampled tokens, measured before the update) exceeds this: the engine is sampling with weights that are not "
         "the trainer's (a bad weight sync), and training on its samples would be training on another policy. The "
         "error names the engine and the parameters whose engine copy differs from the trainer's. `auto`: 1e-3 for "
-        "float32 models, 5e-2 for bfloat16/float16, each ~50x the difference measured on CPU for its dtype "
+        "float32 models with a float32 KV cache (see kv_cache_dtype), 5e-2 for bfloat16/float16 or a bf16 cache, "
+        "each ~50x the difference measured on CPU for its dtype "
         "(docs/design-notes.md has the figures; bf16 on GPU is not measured yet). null = off. Not checked on stale "
         "(async) batches, whose difference includes the policy's own drift.",
     )
@@ -691,6 +692,18 @@ class Config(Section):
                               "conversations need placement.schedule: async or sync")
 
     @model_validator(mode="after")
+    def _engine_checks(self) -> "Config":
+        """Settings that only one engine has."""
+        r = self.rollout
+        if r.engine == "vllm" and r.kv_cache_dtype != "auto":
+            raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} is the hf engine's; vLLM's KV cache "
+                              "follows the model's dtype (model.dtype); set rollout.kv_cache_dtype=auto")
+        if r.tensor_parallel > 1 and r.engine != "vllm":
+            raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} needs rollout.engine: vllm (the "
+                              f"{r.engine} engine has no tensor parallel); set rollout.tensor_parallel=1")
+        return self
+
+    @model_validator(mode="after")
     def _placement_checks(self) -> "Config":
         """Where the workers run, and what the engines and adapters need of that."""
         pl = self.placement
@@ -718,9 +731,6 @@ class Config(Section):
         if pl.schedule == "stream":
             self._stream_checks()
         r = self.rollout
-        if r.tensor_parallel > 1 and r.engine != "vllm":
-            raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} needs rollout.engine: vllm (the "
-                              f"{r.engine} engine has no tensor parallel); set rollout.tensor_parallel=1")
         colocated_vllm = pl.backend == "ray" and pl.mode == "colocate" and r.engine == "vllm"
         if colocated_vllm and pl.workers % r.tensor_parallel:
             raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} does not divide placement.workers="
@@ -728,9 +738,6 @@ class Config(Section):
         if colocated_vllm and r.vllm.mode == "server":
             raise ConfigError("rollout.vllm.mode: server inside colocated Ray workers is not supported yet; use "
                               "rollout.vllm.mode: inprocess (one in-process engine per worker)")
-        if r.engine == "vllm" and r.kv_cache_dtype != "auto":
-            raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} is the hf engine's; vLLM's KV cache "
-                              "follows the model's dtype (model.dtype); set rollout.kv_cache_dtype=auto")
         if pl.mode == "split" and r.tensor_parallel > 1:
             raise ConfigError("rollout.tensor_parallel > 1 is not supported with placement.mode: split yet; use "
                               "placement.mode: colocate, or rollout.tensor_parallel=1")
