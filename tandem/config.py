@@ -211,8 +211,9 @@ class RolloutConfig(Section):
         "queries are rounded too, the products and the softmax run in float32. It costs a logprob gap between "
         "sampler and trainer (the `auto` max_logprob_diff then allows bf16's), measured in docs/design-notes.md. "
         "`auto`: bfloat16 for a float32 model where the processor has native bf16 (AVX-512 BF16, AMX), else the "
-        "model's dtype: without it bf16 arithmetic is emulated, and attention measured ~3x slower. vLLM's cache "
-        "follows the model's dtype (keep auto).",
+        "model's dtype: without it bf16 arithmetic is emulated, and attention measured ~3x slower "
+        "(TANDEM_NATIVE_BF16=0 or 1 overrides the processor probe). vLLM's cache follows the model's dtype (keep "
+        "auto).",
     )
     max_in_flight: int = Field(
         0, ge=0, description="placement.schedule: stream: the requests (completions) each sampler keeps decoding "
