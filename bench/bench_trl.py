@@ -418,8 +418,9 @@ def main() -> None:
                       + ", ".join(f"{t:.3f}" for t in res[label]["all"]) + f"; load {os.getloadavg()[0]:.2f}",
                       flush=True)
             gemms = achievable_seconds(w, vocab_size(work / f"model-{name}"), plen)
-            attention = {label: decode_attention_seconds(w, plen, "bfloat16" if kv == "bfloat16" else "float32")
-                         for label, _, _, kv in runs}
+            cache = {label: "bfloat16" if kv == "bfloat16" else "float32" for label, _, _, kv in runs}
+            alone = {dt: decode_attention_seconds(w, plen, dt) for dt in set(cache.values())}  # once per dtype
+            attention = {label: alone[dt] for label, dt in cache.items()}
             table.append((w, params, flops, steps, res, phases, gemms, attention))
 
     floor_note = f"floor = FLOPs / {rate:.1f} GFLOP/s"

@@ -33,10 +33,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def _draw(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator], n: int
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob (under the temperature, before truncation: what the trainer recomputes).
-    Greedy at temperature 0; else drawn from `gens`: one for the batch, or one per prompt for its n rows."""
+    Greedy at temperature 0; else drawn from `gens`, each for an equal run of rows: one for the batch, or one
+    per prompt for its n rows."""
     if sampling.temperature <= 0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
@@ -45,12 +45,9 @@ def _draw(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator],
     probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
     # torch.multinomial's own draw for one sample (argmax of probs / Exp(1) noise), written out: the same tokens
     # from the same generator state, without its argument checks, and one division for all the prompts' rows
-    noise = torch.empty_like(probs)
-    if len(gens) == 1:
-        noise.exponential_(generator=gens[0])
-    else:
-        for i, g in enumerate(gens):
-            noise[i * n:(i + 1) * n].exponential_(generator=g)
+    noise, rows = torch.empty_like(probs), len(probs) // len(gens)  # each generator's rows, side by side
+    for i, g in enumerate(gens):
+        noise[i * rows:(i + 1) * rows].exponential_(generator=g)
     tok = probs.div_(noise).argmax(-1)
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
@@ -128,7 +125,7 @@ class HFEngine:
             limits = torch.tensor([sampling.limit(i // n) for i in range(B)], device=dev)
             capped = torch.zeros(B, dtype=torch.bool, device=dev)  # stopped at their own limit, below max_new_tokens
             for _ in range(int(limits.max())):
-                tok, lp = _draw(logits.float(), sampling, gens, n)
+                tok, lp = _draw(logits.float(), sampling, gens)
                 tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
                 tokens.append(tok)
                 logps.append(lp)

@@ -136,8 +136,7 @@ class StaticDecoder:
         self.prompt_len = P
         p = next(model.parameters())
         self.kv_dtype = kv_dtype or p.dtype  # the cache's; the queries are rounded to it for attention
-        item = torch.empty((), dtype=self.kv_dtype).element_size()
-        repeated = (n - 1) * U * P * self.kv_heads * self.head_dim * 2 * item  # keys and values
+        repeated = (n - 1) * U * P * self.kv_heads * self.head_dim * 2 * self.kv_dtype.itemsize  # keys and values
         self.shared = n > 1 and repeated >= SHARED_PROMPT_MIN_BYTES
         own = max_new if self.shared else P + max_new  # slots of a row's own cache
         self.prompt_k, self.prompt_v, self.k, self.v = [], [], [], []
@@ -174,10 +173,7 @@ class StaticDecoder:
             vc[:, :, slot] = v
             if self.shared:
                 return self._split_attention(q.to(self.kv_dtype), i, slot + 1).to(q.dtype)
-            return F.scaled_dot_product_attention(q.unsqueeze(2).to(self.kv_dtype), kc[:, :, : slot + 1],
-                                                  vc[:, :, : slot + 1], attn_mask=self.mask[:, None, None, : slot + 1],
-                                                  scale=self.scaling, enable_gqa=self.heads != self.kv_heads
-                                                  ).to(q.dtype)
+            return _attention(q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], self.mask[:, : slot + 1], self.scaling)
 
         logits = decode_layers(self.model, self.w, self.rotary, tokens, positions, attend)
         self.generated += 1
@@ -195,6 +191,13 @@ class StaticDecoder:
         weights = torch.softmax(torch.cat([on_prompt, on_own], dim=-1).float(), dim=-1).to(q.dtype)
         o = _by_row(torch.matmul(_by_prompt(weights[..., : self.prompt_len], U, n), pv), U, n)
         return o + torch.matmul(weights[..., self.prompt_len:], vc[:, :, :own])
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row ([B, H, D]) against the row's cached keys and values ([B, KV, L, D], in the cache's dtype)
+    where `seen` [B, L] allows: SDPA, the query rounded to the cache's dtype and the output returned to its own."""
+    return F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=seen[:, None, None, :],
+                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
 
 
 def decode_layers(model, fused: list[tuple], rotary: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor,
@@ -234,9 +237,8 @@ class SlotDecoder:
     def __init__(self, model, slots: int, capacity: int, kv_dtype: torch.dtype | None = None):
         self.model, self.slots, self.capacity = model, slots, capacity
         a, p = model.model.layers[0].self_attn, next(model.parameters())
-        cfg = model.config
-        self.scaling, self.heads, self.kv_heads = a.scaling, cfg.num_attention_heads, cfg.num_key_value_heads
-        shape = (slots, self.kv_heads, capacity, a.head_dim)
+        self.scaling = a.scaling
+        shape = (slots, model.config.num_key_value_heads, capacity, a.head_dim)
         self.kv_dtype = kv_dtype or p.dtype
         self.k = [torch.zeros(shape, dtype=self.kv_dtype, device=p.device) for _ in model.model.layers]
         self.v = [torch.zeros(shape, dtype=self.kv_dtype, device=p.device) for _ in model.model.layers]
@@ -325,10 +327,7 @@ class SlotDecoder:
             kc, vc = self.k[i], self.v[i]
             kc[rows, :, pos] = k.to(self.kv_dtype)  # an indexed write does not cast
             vc[rows, :, pos] = v.to(self.kv_dtype)
-            return F.scaled_dot_product_attention(q.unsqueeze(2).to(self.kv_dtype), kc[:b, :, :upto],
-                                                  vc[:b, :, :upto], attn_mask=seen[:, None, None, :],
-                                                  scale=self.scaling, enable_gqa=self.heads != self.kv_heads
-                                                  ).to(q.dtype)
+            return _attention(q, kc[:b, :, :upto], vc[:b, :, :upto], seen, self.scaling)
 
         logits = decode_layers(self.model, self.w, self.rotary, tokens, pos.clone(), attend)
         self.length[:b] += 1

@@ -108,7 +108,7 @@ class HFStream:
         if not self.running:
             return []
         keys = list(self.decoder.rows)
-        tok, lp = _draw(self.logits.float(), self.sampling, [self.gens[k] for k in keys], 1)
+        tok, lp = _draw(self.logits.float(), self.sampling, [self.gens[k] for k in keys])
         done: list[Finished] = []
         for key, t, logp in zip(keys, tok.tolist(), lp.tolist()):
             r = self.running[key]

@@ -133,7 +133,7 @@ def test_draws_are_torch_multinomials_from_each_prompts_generator():
     for seeds in ([11], [11, 12]):
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         refs = [torch.Generator().manual_seed(s) for s in seeds]
-        tok, logp = _draw(logits, sampling, gens, 3 if len(seeds) > 1 else 6)
+        tok, logp = _draw(logits, sampling, gens)
         probs = torch.softmax(filter_logits(logits / 0.7, 5, 1.0), -1)
         rows = len(logits) // len(refs)
         want = torch.cat([torch.multinomial(probs[i * rows:(i + 1) * rows], 1, generator=g).squeeze(-1)
