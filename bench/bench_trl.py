@@ -1,6 +1,6 @@
 """Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--attention-kernel auto|native|sdpa|both]
 
 Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
 then tandem, each in a fresh child process (same process tree, same torch thread count), and prints one table:
@@ -13,7 +13,9 @@ micro-batch's tokens; `achievable_seconds`), which separates a framework's overh
 shape, and where each phase's time goes (matrix products, decode attention, the rest). `--engine vllm` samples
 tandem's rollouts with vLLM in its process (TRL keeps its HF generate); `--engine both` runs tandem with each
 engine in the same invocation, side by side; `--kv-cache-dtype both` runs the hf engine with a float32 and with a
-bfloat16 KV cache (`rollout.kv_cache_dtype`), each against its own attention alone.
+bfloat16 KV cache (`rollout.kv_cache_dtype`), each against its own attention alone; `--attention-kernel both` runs
+it with tandem's C decode attention and with PyTorch's SDPA (`rollout.attention_kernel`; default auto, the C kernel
+where it builds), each against the same kernel's attention alone.
 
 Workloads (both: KL 0.04 with the k3 estimator and a loaded reference model, token-mean loss (TRL's `dapo`),
 clip 0.2, fp32, no gradient checkpointing, no dropping of zero-variance groups, temperature 1, lr 1e-5):
@@ -155,22 +157,36 @@ def gemm_seconds(shapes: list[tuple[int, int]], rows: int, backward: bool, repea
     return min(once() for _ in range(repeats))
 
 
-def decode_attention_seconds(w: Workload, prompt_tokens: int, dtype: str = "float32") -> float:
+def decode_attention_seconds(w: Workload, prompt_tokens: int, dtype: str = "float32", kernel: str = "sdpa") -> float:
     """A rollout's attention alone: every decode step's one query per row and head against the row's keys so far
-    (PyTorch's SDPA on per-row caches, as HF generate and tandem's engine for short prompts run it), all layers.
-    Not in the FLOP floor (a few % of the FLOPs), but a matrix-vector product per row and KV head, which runs far
-    below the matmul rate: this is how much of a rollout that costs on this machine."""
+    on per-row caches (as HF generate and tandem's engine for short prompts run it), all layers, by `kernel`:
+    PyTorch's SDPA, or tandem's C kernel (`native`). Not in the FLOP floor (a few % of the FLOPs), but a
+    matrix-vector product per row and KV head, which runs far below the matmul rate: this is how much of a rollout
+    that costs on this machine."""
     import torch
     import torch.nn.functional as F
 
+    from tandem.rollout import native
+
     head_dim, rows, dt = w.hidden // w.heads, w.completions, getattr(torch, dtype)
     k = torch.randn(rows, w.kv_heads, prompt_tokens + w.new_tokens, head_dim, dtype=dt)
-    v, q = torch.randn_like(k), torch.randn(rows, w.heads, 1, head_dim, dtype=dt)
-    F.scaled_dot_product_attention(q, k, v, enable_gqa=w.heads != w.kv_heads)  # first-call setup, not timed
+    v = torch.randn_like(k)
+    if kernel == "native":
+        q, seen = torch.randn(rows, w.heads, head_dim), torch.ones(rows, k.shape[2], dtype=torch.bool)
+        scale = head_dim ** -0.5
+
+        def attend(c: int):
+            native.decode_attention(q, k[:, :, :c], v[:, :, :c], seen[:, :c], scale)
+    else:
+        q = torch.randn(rows, w.heads, 1, head_dim, dtype=dt)
+
+        def attend(c: int):
+            F.scaled_dot_product_attention(q, k[:, :, :c], v[:, :, :c], enable_gqa=w.heads != w.kv_heads)
+    attend(prompt_tokens + 1)  # first-call setup, not timed
     start = time.perf_counter()
     for c in range(prompt_tokens + 1, prompt_tokens + w.new_tokens + 1):
         for _ in range(w.layers):
-            F.scaled_dot_product_attention(q, k[:, :, :c], v[:, :, :c], enable_gqa=w.heads != w.kv_heads)
+            attend(c)
     return time.perf_counter() - start
 
 
@@ -290,7 +306,7 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
 
 
 def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, engine: str = "hf",
-               kv_cache_dtype: str = "auto") -> dict:
+               kv_cache_dtype: str = "auto", attention_kernel: str = "auto") -> dict:
     from tandem.config import load_config
     from tandem.trainer import train
 
@@ -310,7 +326,7 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
         "data.eval_size=1", f"algo.kl_coef={KL}", "algo.kl_estimator=k3",
         "algo.loss_agg=token_mean", f"algo.clip_low={CLIP}", f"algo.clip_high={CLIP}", "algo.adv_eps=1e-4",
         f"optim.lr={LR}", "rewards=[{name: arithmetic_exact}]", "reward_pool.workers=0", f"rollout.engine={engine}",
-        f"rollout.kv_cache_dtype={kv_cache_dtype}",
+        f"rollout.kv_cache_dtype={kv_cache_dtype}", f"rollout.attention_kernel={attention_kernel}",
     ])
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -328,15 +344,17 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
 
 
 def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf",
-          kv_cache_dtype: str = "auto") -> dict:
+          kv_cache_dtype: str = "auto", attention_kernel: str = "auto") -> dict:
     """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other)."""
-    result = work / (f"{framework}-{engine}-{kv_cache_dtype}-{w.name}-{w.prompts}x{w.generations}x{w.new_tokens}"
+    result = work / (f"{framework}-{engine}-{kv_cache_dtype}-{attention_kernel}-{w.name}-{w.prompts}x{w.generations}"
+                     f"x{w.new_tokens}"
                      f"-c{w.context}.json")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", framework,
            "--spec", w.to_json(), "--model", str(model), "--out", str(result), "--steps", str(steps),
-           "--threads", str(threads), "--engine", engine, "--kv-cache-dtype", kv_cache_dtype]
+           "--threads", str(threads), "--engine", engine, "--kv-cache-dtype", kv_cache_dtype,
+           "--attention-kernel", attention_kernel]
     proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout[-6000:])
@@ -365,6 +383,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "both", "auto"], default="float32",
                     help="tandem's hf engine's KV cache (rollout.kv_cache_dtype); both: the hf engine twice, each "
                          "cache side by side. Default float32, the reference the x GEMMs targets are stated for")
+    ap.add_argument("--attention-kernel", choices=["auto", "native", "sdpa", "both"], default="auto",
+                    help="tandem's hf engine's decode attention (rollout.attention_kernel); both: the hf engine with "
+                         "tandem's C kernel and with SDPA, side by side")
     ap.add_argument("--child", choices=["trl", "tandem"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -377,7 +398,8 @@ def main() -> None:
         if args.child == "trl":
             res = run_trl(w, Path(args.model), out, args.steps, args.threads)
         else:
-            res = run_tandem(w, Path(args.model), out, args.steps, args.threads, args.engine, args.kv_cache_dtype)
+            res = run_tandem(w, Path(args.model), out, args.steps, args.threads, args.engine, args.kv_cache_dtype,
+                             args.attention_kernel)
         Path(args.out).write_text(json.dumps(res))
         return
 
@@ -386,19 +408,31 @@ def main() -> None:
     names = ["small", "large"] if args.workload == "both" else [args.workload]
     engines = ["hf", "vllm"] if args.engine == "both" else [args.engine]
     caches = ["float32", "bfloat16"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
-    variants = [(e, kv) for e in engines for kv in (caches if e == "hf" else ["auto"])]  # vLLM: the model's dtype
-    # (label, framework, tandem's engine, its KV cache dtype): TRL once, tandem once per variant
-    runs = [("trl", "trl", "hf", "auto")] if "trl" in args.frameworks else []
+    kernels = ["native", "sdpa"] if args.attention_kernel == "both" else [args.attention_kernel]
+    # vLLM: its own cache dtype (the model's) and attention
+    variants = [(e, kv, a) for e in engines for kv in (caches if e == "hf" else ["auto"])
+                for a in (kernels if e == "hf" else ["auto"])]
+    # (label, framework, tandem's engine, its KV cache dtype, its attention kernel): TRL once, tandem per variant
+    runs = [("trl", "trl", "hf", "auto", "sdpa")] if "trl" in args.frameworks else []
     if "tandem" in args.frameworks:
-        runs += [("tandem" if len(variants) == 1 else f"tandem-{e}" + ("-bf16kv" if kv == "bfloat16" else ""),
-                  "tandem", e, kv) for e, kv in variants]
+        runs += [("tandem" if len(variants) == 1 else f"tandem-{e}" + ("-bf16kv" if kv == "bfloat16" else "")
+                  + ("-sdpa" if a == "sdpa" and len(kernels) > 1 else ""), "tandem", e, kv, a)
+                 for e, kv, a in variants]
     labels = [label for label, *_ in runs]
+    from tandem.rollout import native
     from tandem.rollout.llama_decode import native_bf16
 
+    built = native.library()
     print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, tandem's engine: {args.engine}, "
-          f"kv cache: {args.kv_cache_dtype}, native bf16: {native_bf16()}, load average at start={os.getloadavg()}")
+          f"kv cache: {args.kv_cache_dtype}, native bf16: {native_bf16()}, attention kernel: {args.attention_kernel} "
+          f"(tandem's C kernel: {'built' if built[0] else 'not available: ' + built[1]}), "
+          f"load average at start={os.getloadavg()}")
     rate = matmul_gflops(args.threads)
     print(f"fp32 matmul rate at {args.threads} thread(s): {rate:.1f} GFLOP/s")
+    # each run's attention alone is timed with its cache dtype and kernel (auto: the C kernel where it built)
+    kind = {label: ("bfloat16" if kv == "bfloat16" else "float32",
+                    "native" if kernel == "native" or (kernel == "auto" and built[0]) else "sdpa")
+            for label, _, _, kv, kernel in runs}
     table = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         work = Path(tmp)
@@ -410,17 +444,16 @@ def main() -> None:
             phases = phase_flops(w, params, plen)
             flops = sum(phases.values())
             res = {}
-            for label, fw, engine, kv in runs:
+            for label, fw, engine, kv, kernel in runs:
                 start = time.perf_counter()
                 res[label] = summarize(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads,
-                                             engine, kv), args.warmup)
+                                             engine, kv, kernel), args.warmup)
                 print(f"  {name:5s} {label:6s} done in {time.perf_counter() - start:.0f} s, steps: "
                       + ", ".join(f"{t:.3f}" for t in res[label]["all"]) + f"; load {os.getloadavg()[0]:.2f}",
                       flush=True)
             gemms = achievable_seconds(w, vocab_size(work / f"model-{name}"), plen)
-            cache = {label: "bfloat16" if kv == "bfloat16" else "float32" for label, _, _, kv in runs}
-            alone = {dt: decode_attention_seconds(w, plen, dt) for dt in set(cache.values())}  # once per dtype
-            attention = {label: alone[dt] for label, dt in cache.items()}
+            alone = {k: decode_attention_seconds(w, plen, *k) for k in set(kind.values())}
+            attention = {label: alone[k] for label, k in kind.items()}
             table.append((w, params, flops, steps, res, phases, gemms, attention))
 
     floor_note = f"floor = FLOPs / {rate:.1f} GFLOP/s"
@@ -442,7 +475,7 @@ def main() -> None:
     for w, _, _, _, res, *_ in table:
         for fw, r in res.items():
             print(f"  {w.name:5s} {fw:6s} " + "  ".join(f"{k}={v:.3f}" for k, v in r["phases"].items()))
-        for label, fw, engine, _ in runs:
+        for label, fw, engine, *_ in runs:
             if fw == "tandem":
                 r = res[label]
                 print(f"  {w.name:5s} {label} weight sync ({engine} engine, one process): "
@@ -462,9 +495,9 @@ def main() -> None:
                 line += f"{t:11.3f} {t / floor:7.2f} {t / alone:7.2f} "
             print(line)
     for w, *_, attention in table:
-        print(f"{w.name} rollout: its attention alone (SDPA, one query per row, all layers and steps) takes "
-              f"{attention['trl' if 'trl' in attention else labels[0]]:.3f} s on top of its matrix products"
-              + "".join(f"; bf16 cache: {a:.3f} s" for label, a in attention.items() if label.endswith("bf16kv")))
+        print(f"{w.name} rollout: its attention alone (one query per row, all layers and steps) takes, on top of "
+              "its matrix products: " + "; ".join(f"{label} {a:.3f} s ({kind[label][1]}, {kind[label][0]} cache)"
+                                                  for label, a in attention.items()))
     print("\nwhere each phase's time goes: its matrix products alone, the rollout's decode attention alone (both "
           "measured above), and the rest (overhead: dispatch, Python, sampling, copies), as shares of the phase")
     head = f"{'workload':9s} {'phase':9s} " + " ".join(f"{fw + ' GEMM':>13s} {'attn':>5s} {'rest':>5s}" for fw in labels)

@@ -211,8 +211,20 @@ class RolloutConfig(Section):
         "queries are rounded too, the products and the softmax run in float32. It costs a logprob gap between "
         "sampler and trainer (the `auto` max_logprob_diff then allows bf16's), measured in docs/design-notes.md. "
         "`auto`: bfloat16 for a float32 model where the processor has native bf16 (AVX-512 BF16, AMX), else the "
-        "model's dtype: without it bf16 arithmetic is emulated, and attention measured ~3x slower "
-        "(TANDEM_NATIVE_BF16=0 or 1 overrides the processor probe). vLLM's cache follows the model's dtype (keep "
+        "model's dtype, which keeps the sampler within float32's gap of the trainer (the tighter sync guard) where "
+        "bf16 is not native (SDPA's bf16 attention is then emulated, ~3x slower than float32's; tandem's C kernel, "
+        "attention_kernel, widens bf16 by a shift and reads a bf16 cache faster than a float32 one on any "
+        "processor, so there bfloat16 is the faster choice, at the gap above). TANDEM_NATIVE_BF16=0 or 1 "
+        "overrides the processor probe. vLLM's cache follows the model's dtype (keep auto).",
+    )
+    attention_kernel: Literal["auto", "native", "sdpa"] = Field(
+        "auto", description="The hf engine's decode attention (its lean decoder; a group's long shared prompt keeps "
+        "its batched products). `native`: tandem's C kernel (tandem/rollout/kernels), compiled with the machine's C "
+        "compiler on first use (under a second; cached in ~/.cache/tandem/kernels or TANDEM_KERNEL_CACHE), which "
+        "reads each KV head's keys once for all its query heads and runs near memory bandwidth: faster than SDPA "
+        "at decode shapes, a bf16 cache most of all (bench/bench_trl.py prints both); float32 models on CPU, head "
+        "dims a multiple of 8. `sdpa`: PyTorch's scaled_dot_product_attention. `auto`: native where it builds and "
+        "serves the model, else SDPA (the log says why). The two agree to float rounding. vLLM has its own (keep "
         "auto).",
     )
     max_in_flight: int = Field(
@@ -699,6 +711,9 @@ class Config(Section):
         if r.engine == "vllm" and r.kv_cache_dtype != "auto":
             raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} is the hf engine's; vLLM's KV cache "
                               "follows the model's dtype (model.dtype); set rollout.kv_cache_dtype=auto")
+        if r.engine == "vllm" and r.attention_kernel != "auto":
+            raise ConfigError(f"rollout.attention_kernel: {r.attention_kernel} is the hf engine's; vLLM picks its own "
+                              "attention backend; set rollout.attention_kernel=auto")
         if r.tensor_parallel > 1 and r.engine != "vllm":
             raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} needs rollout.engine: vllm (the "
                               f"{r.engine} engine has no tensor parallel); set rollout.tensor_parallel=1")

@@ -65,7 +65,8 @@ class HFEngine:
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
-                 model=None, tokenizer=None, device: str | None = None, kv_cache_dtype: str = "auto"):
+                 model=None, tokenizer=None, device: str | None = None, kv_cache_dtype: str = "auto",
+                 attention_kernel: str = "auto"):
         self.tokenizer = tokenizer or load_tokenizer(model_path, trust_remote_code)
         self.model = model if model is not None else load_causal_lm(model_path, dtype, trust_remote_code)
         if device is not None:
@@ -80,9 +81,13 @@ class HFEngine:
         self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
         # the lean decoder's KV cache dtype (rollout.kv_cache_dtype); the HF forward keeps the model's
         self.kv_dtype = llama_decode.kv_cache_dtype(kv_cache_dtype, next(self.model.parameters()).dtype)
-        if kv_cache_dtype != "auto" and not llama_decode.supports(self.model):
-            log.warning("rollout.kv_cache_dtype=%s applies to the lean decoder (Llama-family models on CPU); this "
-                        "model decodes with the HF forward, its cache in the model's dtype", kv_cache_dtype)
+        if (kv_cache_dtype, attention_kernel) != ("auto", "auto") and not llama_decode.supports(self.model):
+            log.warning("rollout.kv_cache_dtype=%s and attention_kernel=%s apply to the lean decoder (Llama-family "
+                        "models on CPU); this model decodes with the HF forward, its cache in the model's dtype",
+                        kv_cache_dtype, attention_kernel)
+        # the lean decoder's decode attention (rollout.attention_kernel): native (tandem's C kernel) or sdpa
+        self.attention_kernel = (llama_decode.attention_kernel(attention_kernel, self.model, self.kv_dtype)
+                                 if llama_decode.supports(self.model) else "sdpa")
         if llama_decode.decodes(self.model):  # q/k/v and gate/up as views of one tensor each: read with no copy
             llama_decode.fuse_parameters(self.model)
         self._params = dict(self.model.named_parameters())
@@ -163,7 +168,8 @@ class HFEngine:
         next_pos = pos[:, -1].repeat_interleave(n) + 1
         del out
         if self.fast_decode and llama_decode.supports(self.model) and max_new_tokens > 1:
-            decoder = llama_decode.StaticDecoder(self.model, cache, n, max_new_tokens, attn, self.kv_dtype)
+            decoder = llama_decode.StaticDecoder(self.model, cache, n, max_new_tokens, attn, self.kv_dtype,
+                                                  self.attention_kernel)
             return logits, next_pos, decoder.step
         cache.batch_repeat_interleave(n)
         seen = [attn.repeat_interleave(n, dim=0)]  # the rows' attention mask so far (a step adds a column)

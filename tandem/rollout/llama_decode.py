@@ -4,15 +4,21 @@ without its per-call module, mask and cache machinery, and with a preallocated K
 Why: on CPU a decode step of a small model is mostly Python overhead (the HF forward builds a 4-D mask, walks
 ~20 modules per layer and grows a DynamicCache by concatenation, copying the whole cache every step). Here a
 step is ~15 tensor ops per layer and the cache is written in place. The prefill still runs the HF forward.
-Numerics match the HF forward to float rounding (the same ops in the same order; attention by SDPA, or, where a
-group's prompt is held once, a float32 softmax over the prompt's and the row's own keys).
+Numerics match the HF forward to float rounding (the same ops in the same order; attention by tandem's C kernel,
+`native.py`, or by SDPA, or, where a group's prompt is held once and the kernel is not in use, a float32 softmax
+over the prompt's and the row's own keys).
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.nn.functional as F
+
+from tandem.rollout import native
+
+log = logging.getLogger(__name__)
 
 _SUPPORTED = ("qwen2", "llama")  # tandem.architectures.STREAMED names these too
 
@@ -44,8 +50,9 @@ def supports(model) -> bool:
 
 def native_bf16() -> bool:
     """The processor converts and multiplies bfloat16 natively (AVX-512 BF16 or AMX): there a bf16 KV cache's
-    attention reads half the bytes at no extra cost. Without it (AVX2) bf16 arithmetic is emulated and a bf16
-    cache's attention measured about 3x slower than float32's (`bench/bench_trl.py --kv-cache-dtype`).
+    attention reads half the bytes at no extra cost. Without it (AVX2) SDPA's bf16 arithmetic is emulated and a
+    bf16 cache's attention measured about 3x slower than float32's (`bench/bench_trl.py --kv-cache-dtype both
+    --attention-kernel sdpa`); tandem's C kernel widens bf16 by a shift and is faster on bf16 anywhere.
     TANDEM_NATIVE_BF16=0 or 1 overrides the probe (the test suite sets 0, so its numbers do not depend on the
     machine)."""
     override = os.environ.get("TANDEM_NATIVE_BF16")
@@ -63,6 +70,27 @@ def kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
     if requested not in ("float32", "bfloat16"):
         raise ValueError(f"kv_cache_dtype {requested!r}: use auto, float32 or bfloat16")
     return getattr(torch, requested)
+
+
+def attention_kernel(requested: str, model, kv_dtype: torch.dtype) -> str:
+    """The lean decoder's decode attention for `rollout.attention_kernel` (auto | native | sdpa): `native`,
+    tandem's C kernel, where it builds and serves the model's head shapes, else `sdpa`, PyTorch's (with its batched
+    products for a prompt held once per group); `auto` says why in the log, `native` raises."""
+    if requested == "sdpa":
+        return "sdpa"
+    if requested not in ("auto", "native"):
+        raise ValueError(f"attention_kernel {requested!r}: use auto, native or sdpa")
+    cfg, p = model.config, next(model.parameters())
+    why = native.unusable(cfg.num_attention_heads, cfg.num_key_value_heads, model.model.layers[0].self_attn.head_dim,
+                          p.dtype, kv_dtype, p.device)
+    if not why:
+        return "native"
+    if requested == "native":
+        raise RuntimeError(f"rollout.attention_kernel=native: the kernel cannot serve this model: {why}; set "
+                           "rollout.attention_kernel=auto (or sdpa)")
+    log.log(logging.WARNING if native.library()[0] is None else logging.INFO,
+            "decode attention: PyTorch SDPA (tandem's native kernel: %s)", why)
+    return "sdpa"
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -97,8 +125,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 # bench_prompt_sharing.py` (one CPU thread, fixed-length rollouts), shared / per-row time: 74-86 KB repeated (16 rows
 # of 6-token prompts) 0.99-1.04; 393 KB 0.87 in one run and 1.13 in an earlier ad-hoc one (the crossover is within
 # this machine's noise); 786 KB 0.85; bench_trl's large rollout (1.4 MB) 0.95; 2 prompts of 256 tokens x 32 rows
-# (16 MB) 0.51. The threshold sits above the noisy band.
-SHARED_PROMPT_MIN_BYTES = 512 << 10
+# (16 MB) 0.51. The threshold sits above the noisy band. That is SDPA's; tandem's C kernel (`native`) reads a prompt
+# held once in the same single call as the rows' own keys, so the split costs no op and a group's prompt is always
+# held once (`bench_prompt_sharing.py --attention-kernel native`: shared / per-row 0.93-1.02 from 74 KB to 1.4 MB
+# repeated, 0.64 at 16 MB).
+SHARED_PROMPT_MIN_BYTES = {"sdpa": 512 << 10, "native": 0}  # by `attention_kernel`
 
 
 class StaticDecoder:
@@ -110,7 +141,7 @@ class StaticDecoder:
     product ([n * q_per_kv, head_dim] x [head_dim, P] per KV head: a matrix product, instead of n matrix-vector ones
     reading the same keys n times), and against each row's own generated keys; one softmax over both. GRPO samples a
     group of completions per prompt, so a long prompt's keys are read once per group and step, and held once. Where
-    that would save little (SHARED_PROMPT_MIN_BYTES) the prompt is copied into every row's cache and attention is one
+    that would save little (SHARED_PROMPT_MIN_BYTES, by kernel) the prompt is copied into every row's cache and attention is one
     SDPA call.
 
     The q/k/v and gate/up projections are concatenated into one weight each when the decoder is built (once per
@@ -119,13 +150,17 @@ class StaticDecoder:
 
     `kv_dtype` (default: the model's) is the cache's dtype: with bfloat16 under a float32 model the keys and values
     are rounded once as they are stored, and attention reads half the bytes: its queries are rounded to bf16 too,
-    the products accumulate in float32 and the softmax runs in float32 (SDPA's CPU kernel, or the split path's
-    explicit `.float()`); its output returns to the model's dtype.
+    the products accumulate in float32 and the softmax runs in float32 (tandem's C kernel, SDPA's CPU kernel, or the
+    split path's explicit `.float()`); its output returns to the model's dtype.
+
+    `kernel` (`attention_kernel`'s choice): `native` runs both layouts' attention in tandem's C kernel (the shared
+    prompt as a segment read by each of its group's rows, one after another, from cache), `sdpa` as above.
     """
 
     def __init__(self, model, cache, n: int, max_new: int, prompt_mask: torch.Tensor,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, kernel: str = "sdpa"):
         self.model = model
+        self.native = kernel == "native"  # `attention_kernel`'s choice
         self.layers = model.model.layers
         a = self.layers[0].self_attn
         self.head_dim, self.scaling = a.head_dim, a.scaling
@@ -137,7 +172,7 @@ class StaticDecoder:
         p = next(model.parameters())
         self.kv_dtype = kv_dtype or p.dtype  # the cache's; the queries are rounded to it for attention
         repeated = (n - 1) * U * P * self.kv_heads * self.head_dim * 2 * self.kv_dtype.itemsize  # keys and values
-        self.shared = n > 1 and repeated >= SHARED_PROMPT_MIN_BYTES
+        self.shared = n > 1 and repeated >= SHARED_PROMPT_MIN_BYTES[kernel]
         own = max_new if self.shared else P + max_new  # slots of a row's own cache
         self.prompt_k, self.prompt_v, self.k, self.v = [], [], [], []
         for i in range(len(self.layers)):
@@ -154,7 +189,8 @@ class StaticDecoder:
             self.v.append(v)
         self.w = fused_layers(model)
         self.rotary = rotary_tables(model, int(prompt_mask.sum(-1).max()) + max_new)
-        if self.shared:  # added to a prompt's attention scores: -inf on its left padding
+        if self.shared:  # added to a prompt's attention scores: -inf on its left padding (the C kernel: a mask)
+            self.prompt_seen = prompt_mask.bool().contiguous()
             self.prompt_bias = torch.zeros((U, 1, 1, P), dtype=torch.float32, device=p.device)
             self.prompt_bias.masked_fill_(~prompt_mask.bool()[:, None, None, :], float("-inf"))
         else:  # key positions a row may see: its prompt's real tokens, and every generated slot once written
@@ -171,9 +207,13 @@ class StaticDecoder:
             kc, vc = self.k[i], self.v[i]
             kc[:, :, slot] = k
             vc[:, :, slot] = v
+            if self.shared and self.native:
+                return native.decode_attention(q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], None, self.scaling,
+                                               prompt=(self.prompt_k[i], self.prompt_v[i], self.prompt_seen))
             if self.shared:
                 return self._split_attention(q.to(self.kv_dtype), i, slot + 1).to(q.dtype)
-            return _attention(q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], self.mask[:, : slot + 1], self.scaling)
+            attention = native.decode_attention if self.native else _attention
+            return attention(q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], self.mask[:, : slot + 1], self.scaling)
 
         logits = decode_layers(self.model, self.w, self.rotary, tokens, positions, attend)
         self.generated += 1
@@ -234,8 +274,10 @@ class SlotDecoder:
     positions. After the model's weights change, `refresh` re-fuses them; the rows' keys and values are then stale,
     and the caller prefills them again (`fill`) if it wants them exact."""
 
-    def __init__(self, model, slots: int, capacity: int, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model, slots: int, capacity: int, kv_dtype: torch.dtype | None = None,
+                 kernel: str = "sdpa"):
         self.model, self.slots, self.capacity = model, slots, capacity
+        self.attention = native.decode_attention if kernel == "native" else _attention  # `attention_kernel`'s
         a, p = model.model.layers[0].self_attn, next(model.parameters())
         self.scaling = a.scaling
         shape = (slots, model.config.num_key_value_heads, capacity, a.head_dim)
@@ -327,7 +369,7 @@ class SlotDecoder:
             kc, vc = self.k[i], self.v[i]
             kc[rows, :, pos] = k.to(self.kv_dtype)  # an indexed write does not cast
             vc[rows, :, pos] = v.to(self.kv_dtype)
-            return _attention(q, kc[:b, :, :upto], vc[:b, :, :upto], seen, self.scaling)
+            return self.attention(q, kc[:b, :, :upto], vc[:b, :, :upto], seen, self.scaling)
 
         logits = decode_layers(self.model, self.w, self.rotary, tokens, pos.clone(), attend)
         self.length[:b] += 1

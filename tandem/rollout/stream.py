@@ -65,7 +65,8 @@ class HFStream:
                              f"{engine.model.config.model_type!r}; use placement.schedule: async")
         self.engine, self.sampling = engine, sampling
         with torch.inference_mode():  # its caches are written only in inference mode (every method here)
-            self.decoder = llama_decode.SlotDecoder(engine.model, slots, capacity, engine.kv_dtype)
+            self.decoder = llama_decode.SlotDecoder(engine.model, slots, capacity, engine.kv_dtype,
+                                                   engine.attention_kernel)
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
         self.gens: dict[Hashable, torch.Generator] = {}

@@ -33,11 +33,12 @@ def recompute_logprobs(model, prompt, completion, temperature):
 @pytest.fixture(params=["prompt per row", "prompt shared"])
 def prompt_cache(request, monkeypatch):
     """Both ways the lean decoder holds a prompt: copied into each row's cache, or once for its group (split
-    attention; the test prompts are short, so the threshold is lowered to reach it)."""
+    attention), each forced by the threshold of whichever attention kernel the engine runs."""
     from tandem.rollout import llama_decode
 
-    if request.param == "prompt shared":
-        monkeypatch.setattr(llama_decode, "SHARED_PROMPT_MIN_BYTES", 1)
+    threshold = 1 if request.param == "prompt shared" else 1 << 62
+    for kernel in llama_decode.SHARED_PROMPT_MIN_BYTES:  # either layout under either attention kernel
+        monkeypatch.setitem(llama_decode.SHARED_PROMPT_MIN_BYTES, kernel, threshold)
     return request.param
 
 

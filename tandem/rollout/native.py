@@ -1,0 +1,153 @@
+"""tandem's C kernels (decode attention, `kernels/decode_attention.c`): compiled with the machine's C compiler on
+first use, cached per source, compiler flags and processor, and called through ctypes.
+
+Why C and ctypes rather than a PyTorch C++ extension: the kernel needs raw pointers and strides, nothing of ATen,
+and a plain C file compiles in under a second where a file that includes the ATen headers took 34 s on a 2-core
+machine (every user's first run would pay it). Why compile on the user's machine: `-march=native` lets the
+compiler use every vector unit the processor has (AVX2, AVX-512, NEON) from one portable source; the cache key
+includes the processor's feature flags, so a home directory shared by unlike machines holds one build for each.
+No compiler, or a failed build, leaves PyTorch's SDPA in use (`rollout.attention_kernel`).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
+# fast-math's reassociation only (the dot products' partial sums vectorize); no finite-math assumption, since
+# masked scores are -inf
+FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC",
+         "-shared", "-pthread"]
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # MAXG, MAXD in the C source
+
+
+def _processor() -> str:
+    """The processor's name and feature flags: what a `-march=native` build depends on."""
+    text = ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pass
+    lines = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("flags", "Features", "model name")]
+    return "\n".join([platform.machine(), platform.processor(), *sorted(set(lines))])
+
+
+def _cache_dir() -> Path:
+    """TANDEM_KERNEL_CACHE, else $XDG_CACHE_HOME/tandem/kernels (~/.cache/tandem/kernels)."""
+    if os.environ.get("TANDEM_KERNEL_CACHE"):
+        return Path(os.environ["TANDEM_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cc: str, target: Path) -> str | None:
+    """Compile the source into `target` (written whole or not at all: processes may build at once); None, or
+    why it failed. `-march=native` first, then without it for a compiler that does not know it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for arch in (["-march=native"], []):
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *arch, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                  text=True, timeout=120)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return None
+            errors.append(done.stderr.strip()[-500:])
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(str(e))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return f"{cc} failed: {errors[-1]}"
+
+
+@functools.cache
+def library() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded kernel library and "", or None and why it is not available (once per process)."""
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (set CC, or install gcc or clang)"
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), cc.encode(),
+                                      _processor().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"decode_attention-{key}.so"
+    if not target.exists():
+        why = _build(cc, target)
+        if why:
+            return None, why
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        return None, f"loading {target}: {e}"
+    fn = lib.tandem_decode_attention
+    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib, ""
+
+
+def unusable(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+             device: torch.device) -> str:
+    """Why the kernel cannot serve a decoder of these shapes and dtypes ("" if it can)."""
+    if device.type != "cpu":
+        return f"it runs on CPU, the model is on {device.type}"
+    if dtype != torch.float32 or kv_dtype not in (torch.float32, torch.bfloat16):
+        return f"it takes float32 queries and a float32 or bfloat16 cache, not {dtype} and {kv_dtype}"
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP or head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return (f"{heads} query heads over {kv_heads} KV heads of {head_dim} dims: it needs a whole group of at "
+                f"most {MAX_GROUP} and a head dim that is a multiple of 8 up to {MAX_HEAD_DIM}")
+    return library()[1]
+
+
+def _segment(k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None, group: int) -> list[int]:
+    """A run of cached positions as the C side reads it (see `segment_t`)."""
+    if k.stride(3) != 1 or v.stride(3) != 1 or (seen is not None and (seen.stride(1) != 1 or seen.dtype != torch.bool)):
+        raise ValueError("decode_attention needs keys and values with a contiguous last dim and a bool mask")
+    return [k.shape[2], group, *k.stride()[:3], *v.stride()[:3], 0 if seen is None else seen.stride(0)]
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None, scale: float,
+                     prompt: tuple | None = None) -> torch.Tensor:
+    """One query per row and head (q [B, H, D], float32) against the row's cached keys and values (k, v
+    [B, KV, L, D], float32 or bfloat16) where `seen` [B, L] (bool; None: all) allows, and, with `prompt` = (keys,
+    values, seen) of [U, KV, P, D] and [U, P], against its group's prompt first (row b reads prompt b // (B / U)),
+    held once for the group's rows: out [B, H, D], float32, one softmax over both. The same result as SDPA with
+    enable_gqa to float rounding (a bf16 cache's queries rounded to bf16 as SDPA's would be; its output stays
+    float32, where SDPA's is rounded to bf16). `unusable` says "" first."""
+    lib, why = library()
+    if lib is None:
+        raise RuntimeError(f"native decode attention is not available: {why}")
+    B, H, D = q.shape
+    if q.stride(2) != 1 or q.dtype != torch.float32:
+        raise ValueError("decode_attention needs float32 queries with a contiguous last dim")
+    out = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
+    if prompt is None:
+        pk = pv = pseen = None
+        head = [0, 1] + [0] * 7
+    else:
+        pk, pv, pseen = prompt
+        head = _segment(pk, pv, pseen, B // pk.shape[0])
+    dims = (ctypes.c_int64 * 26)(B, H, k.shape[1], D, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *head,
+                                 *_segment(k, v, seen, 1))
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    rc = lib.tandem_decode_attention(q.data_ptr(), out.data_ptr(), ptr(pk), ptr(pv), ptr(pseen), k.data_ptr(),
+                                     v.data_ptr(), ptr(seen), dims, int(k.dtype == torch.bfloat16), scale,
+                                     torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"native decode attention failed (code {rc}) on q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return out

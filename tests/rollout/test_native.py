@@ -1,0 +1,152 @@
+"""tandem's C decode attention (tandem/rollout/native.py) against a float64 reference, its build and its fallback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.rollout import llama_decode, native
+from tandem.rollout.hf import HFEngine
+
+pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+
+
+def reference(q, k, v, seen, scale, bf16: bool) -> torch.Tensor:
+    """Attention in float64 from the inputs the kernel reads: a bf16 cache's keys, values and rounded queries."""
+    if bf16:
+        q = q.to(torch.bfloat16)
+    G = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    scores = torch.einsum("bhd,bhld->bhl", q.double(), k) * scale
+    weights = torch.softmax(scores.masked_fill(~seen[:, None, :], float("-inf")), -1)
+    return torch.einsum("bhl,bhld->bhd", weights, v)
+
+
+def inputs(B, H, KV, L, D, dtype, holes: bool, seed: int = 0):
+    """q [B, H, D]; k, v [B, KV, L, D] as slices of a larger cache (strides as the decoders pass them); a mask
+    with holes (left padding) where asked."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H + KV, D, generator=g)[:, :H]  # a view into q and k heads, as decode_layers passes it
+    cache = torch.randn(B, KV, L + 7, D, generator=g).to(dtype), torch.randn(B, KV, L + 7, D, generator=g).to(dtype)
+    seen = torch.ones(B, L + 3, dtype=torch.bool)
+    if holes:
+        seen[:, : L // 2] = torch.rand(B, L // 2, generator=g) > 0.5
+        seen[:, L - 1] = True  # a row always sees its own token
+    return q, cache[0][:, :, :L], cache[1][:, :, :L], seen[:, :L]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,KV,D", [(8, 4, 64), (4, 4, 64), (8, 2, 128), (6, 2, 8), (12, 4, 40)])
+@pytest.mark.parametrize("L", [1, 3, 37])
+def test_matches_a_float64_reference(H, KV, D, L, dtype):
+    """Each head shape (the inlined ones and the generic path), lengths below and across the kernel's 4-position
+    blocks, masks with holes, both cache dtypes."""
+    q, k, v, seen = inputs(3, H, KV, L, D, dtype, holes=L > 2)
+    out = native.decode_attention(q, k, v, seen, D ** -0.5)
+    ref = reference(q, k, v, seen, D ** -0.5, dtype == torch.bfloat16)
+    assert out.dtype == torch.float32 and out.shape == (3, H, D)
+    assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5), float((out.double() - ref).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_held_once_per_group_is_attended_with_each_rows_own_keys(dtype):
+    """The cascade layout: U prompts' keys [U, KV, P, D] (left padding masked) read by each of their n rows, then
+    the row's own keys; one softmax over both, as if the prompt were copied into every row's cache."""
+    U, n, P, L, H, KV, D = 3, 4, 6, 5, 8, 2, 64
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(U * n, H, D, generator=g)
+    pk, pv = (torch.randn(U, KV, P, D, generator=g).to(dtype) for _ in range(2))
+    pseen = torch.ones(U, P, dtype=torch.bool)
+    pseen[0, :2] = pseen[2, :1] = False
+    k, v = (torch.randn(U * n, KV, L + 3, D, generator=g).to(dtype)[:, :, :L] for _ in range(2))
+    out = native.decode_attention(q, k, v, None, D ** -0.5, prompt=(pk, pv, pseen))
+    rows = lambda t: t.repeat_interleave(n, 0)  # noqa: E731
+    whole = (torch.cat([rows(pk), k], 2), torch.cat([rows(pv), v], 2),
+             torch.cat([rows(pseen), torch.ones(U * n, L, dtype=torch.bool)], 1))
+    ref = reference(q, *whole, D ** -0.5, dtype == torch.bfloat16)
+    assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5), float((out.double() - ref).abs().max())
+
+
+def test_agrees_with_sdpa_as_the_decoders_call_it():
+    q, k, v, seen = inputs(5, 8, 4, 29, 64, torch.float32, holes=True)
+    sdpa = llama_decode._attention(q, k, v, seen, 0.125).reshape(5, 8, 64)
+    assert torch.allclose(native.decode_attention(q, k, v, seen, 0.125), sdpa, atol=1e-6)
+
+
+def test_a_nan_in_a_masked_slot_does_not_reach_the_output():
+    """A cache slot a row does not see may hold anything (the decoders allocate their caches uninitialised)."""
+    q, k, v, seen = inputs(2, 4, 2, 9, 16, torch.float32, holes=False)
+    seen = seen.clone()
+    seen[:, 2] = False
+    k[:, :, 2], v[:, :, 2] = float("nan"), float("nan")
+    out = native.decode_attention(q, k, v, seen, 0.25)
+    assert torch.isfinite(out).all()
+    ref = reference(q, k.nan_to_num(), v.nan_to_num(), seen, 0.25, False)  # what the slot holds does not matter
+    assert torch.allclose(out.double(), ref, atol=2e-6)
+
+
+def test_threads_split_the_work_and_give_the_same_result():
+    """Above ~1 MB of keys and values the rows are split over torch's thread count: each (row, KV head) is
+    computed alone, so the split changes nothing."""
+    q, k, v, seen = inputs(64, 8, 4, 160, 64, torch.float32, holes=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.decode_attention(q, k, v, seen, 0.125)
+        torch.set_num_threads(3)
+        three = native.decode_attention(q, k, v, seen, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+
+
+def test_shapes_and_dtypes_it_cannot_serve_are_named():
+    assert native.unusable(8, 4, 64, torch.float32, torch.bfloat16, torch.device("cpu")) == ""
+    assert "multiple of 8" in native.unusable(8, 4, 60, torch.float32, torch.float32, torch.device("cpu"))
+    assert "multiple of 8" in native.unusable(64, 2, 64, torch.float32, torch.float32, torch.device("cpu"))
+    assert "float32 queries" in native.unusable(8, 4, 64, torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    assert "CPU" in native.unusable(8, 4, 64, torch.float32, torch.float32, torch.device("meta"))
+
+
+def test_a_failed_build_leaves_sdpa_and_native_raises(tiny_model, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    native.library.cache_clear()
+    try:
+        lib, why = native.library()
+        assert lib is None and "no-such-compiler" in why
+        assert HFEngine(str(tiny_model), seed=0).attention_kernel == "sdpa"
+        assert "PyTorch SDPA" in caplog.text and "no-such-compiler" in caplog.text
+        with pytest.raises(RuntimeError, match="attention_kernel=native"):
+            HFEngine(str(tiny_model), seed=0, attention_kernel="native")
+    finally:
+        native.library.cache_clear()
+
+
+def test_a_fresh_cache_builds_one_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        lib, why = native.library()
+        assert lib is not None, why
+        assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # no temporary file left behind
+    finally:
+        native.library.cache_clear()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["prompt per row", "prompt shared"])
+def test_the_engine_samples_alike_with_either_kernel(tiny_model, shared, monkeypatch):
+    """auto picks the C kernel where it builds; the tokens and logprobs match SDPA's (float rounding apart), with
+    the prompt in each row's cache and held once per group (the threshold lowered to reach it)."""
+    from tandem.rollout import Sampling
+
+    for kernel in llama_decode.SHARED_PROMPT_MIN_BYTES:
+        monkeypatch.setitem(llama_decode.SHARED_PROMPT_MIN_BYTES, kernel, 1 if shared else 1 << 62)
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    s = Sampling(n=3, temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=5)
+    auto, sdpa = HFEngine(str(tiny_model), seed=0), HFEngine(str(tiny_model), seed=0, attention_kernel="sdpa")
+    assert (auto.attention_kernel, sdpa.attention_kernel) == ("native", "sdpa")
+    a, b = auto.generate(prompts, s), sdpa.generate(prompts, s)
+    assert [c.completion_ids for c in a] == [c.completion_ids for c in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
