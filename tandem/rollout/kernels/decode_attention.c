@@ -189,8 +189,8 @@ typedef struct {
 } part_t;
 
 /* Items [begin, end) of the B * KV (row, KV head) pairs, ordered (group, KV head, row in group) so that a group's
-   rows read its shared prompt's keys for one KV head one after another, from cache. The common head shapes get
-   their own inlined copy. */
+   rows read its shared prompt's keys for one KV head one after another, from cache. The common head shapes (32, 64
+   and 128 dims, 1, 2 or 4 query heads per KV head) get their own inlined copy. */
 static void *run_part(void *arg) {
   part_t *p = (part_t *)arg;
   const job_t *a = p->job;
@@ -202,7 +202,10 @@ static void *run_part(void *arg) {
   }
   for (int64_t item = p->begin; item < p->end; ++item) {
     const int64_t u = item / (n * a->KV), g = item / n % a->KV, b = u * n + item % n;
-    if (G == 1 && C == 8) attend(a, b, g, 1, 8, s);
+    if (G == 1 && C == 4) attend(a, b, g, 1, 4, s);
+    else if (G == 2 && C == 4) attend(a, b, g, 2, 4, s);
+    else if (G == 4 && C == 4) attend(a, b, g, 4, 4, s);
+    else if (G == 1 && C == 8) attend(a, b, g, 1, 8, s);
     else if (G == 2 && C == 8) attend(a, b, g, 2, 8, s);
     else if (G == 4 && C == 8) attend(a, b, g, 4, 8, s);
     else if (G == 1 && C == 16) attend(a, b, g, 1, 16, s);
