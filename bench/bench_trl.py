@@ -422,7 +422,8 @@ def main() -> None:
     from tandem.rollout import native
     from tandem.rollout.llama_decode import native_bf16
 
-    built = native.library()
+    w0 = WORKLOADS["large"]  # both workloads' heads: 2 query heads per KV head of 64 dims
+    built = native.library(w0.heads // w0.kv_heads, w0.hidden // w0.heads)
     print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, tandem's engine: {args.engine}, "
           f"kv cache: {args.kv_cache_dtype}, native bf16: {native_bf16()}, attention kernel: {args.attention_kernel} "
           f"(tandem's C kernel: {'built' if built[0] else 'not available: ' + built[1]}), "

@@ -218,14 +218,15 @@ class RolloutConfig(Section):
         "overrides the processor probe. vLLM's cache follows the model's dtype (keep auto).",
     )
     attention_kernel: Literal["auto", "native", "sdpa"] = Field(
-        "auto", description="The hf engine's decode attention (its lean decoder; a group's long shared prompt keeps "
-        "its batched products). `native`: tandem's C kernel (tandem/rollout/kernels), compiled with the machine's C "
-        "compiler on first use (under a second; cached in ~/.cache/tandem/kernels or TANDEM_KERNEL_CACHE), which "
-        "reads each KV head's keys once for all its query heads and runs near memory bandwidth: faster than SDPA "
-        "at decode shapes, a bf16 cache most of all (bench/bench_trl.py prints both); float32 models on CPU, head "
-        "dims a multiple of 8. `sdpa`: PyTorch's scaled_dot_product_attention. `auto`: native where it builds and "
-        "serves the model, else SDPA (the log says why). The two agree to float rounding. vLLM has its own (keep "
-        "auto).",
+        "auto", description="The hf engine's decode attention (its lean decoder: Llama-family models on CPU). "
+        "`native`: tandem's C kernel (tandem/rollout/kernels), compiled with the machine's C compiler on first use, "
+        "once per head shape (~0.4 s; cached in ~/.cache/tandem/kernels or TANDEM_KERNEL_CACHE); it reads each KV "
+        "head's keys once for all its query heads and a group's prompt once for its rows, and widens a bf16 cache "
+        "by a shift, so it is faster than SDPA at decode shapes, most of all with a bf16 cache (bench/bench_trl.py "
+        "--attention-kernel both prints both); float32 models, head dims a multiple of 8. `sdpa`: PyTorch's "
+        "scaled_dot_product_attention (and batched products for a long prompt held once per group). `auto`: native "
+        "where it builds and serves the model, else SDPA (the log says why). The two agree to float rounding. vLLM "
+        "has its own (keep auto).",
     )
     max_in_flight: int = Field(
         0, ge=0, description="placement.schedule: stream: the requests (completions) each sampler keeps decoding "

@@ -81,15 +81,17 @@ def attention_kernel(requested: str, model, kv_dtype: torch.dtype) -> str:
     if requested not in ("auto", "native"):
         raise ValueError(f"attention_kernel {requested!r}: use auto, native or sdpa")
     cfg, p = model.config, next(model.parameters())
-    why = native.unusable(cfg.num_attention_heads, cfg.num_key_value_heads, model.model.layers[0].self_attn.head_dim,
-                          p.dtype, kv_dtype, p.device)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = model.model.layers[0].self_attn.head_dim
+    why, level = native.unsupported(heads, kv_heads, head_dim, p.dtype, kv_dtype, p.device), logging.INFO
+    if not why:  # a model it serves: the build is what may fail, which a user can fix (a compiler)
+        why, level = native.library(heads // kv_heads, head_dim)[1], logging.WARNING
     if not why:
         return "native"
     if requested == "native":
         raise RuntimeError(f"rollout.attention_kernel=native: the kernel cannot serve this model: {why}; set "
                            "rollout.attention_kernel=auto (or sdpa)")
-    log.log(logging.WARNING if native.library()[0] is None else logging.INFO,
-            "decode attention: PyTorch SDPA (tandem's native kernel: %s)", why)
+    log.log(level, "decode attention: PyTorch SDPA (tandem's native kernel: %s)", why)
     return "sdpa"
 
 
@@ -141,8 +143,8 @@ class StaticDecoder:
     product ([n * q_per_kv, head_dim] x [head_dim, P] per KV head: a matrix product, instead of n matrix-vector ones
     reading the same keys n times), and against each row's own generated keys; one softmax over both. GRPO samples a
     group of completions per prompt, so a long prompt's keys are read once per group and step, and held once. Where
-    that would save little (SHARED_PROMPT_MIN_BYTES, by kernel) the prompt is copied into every row's cache and attention is one
-    SDPA call.
+    that would save little (SHARED_PROMPT_MIN_BYTES, by kernel) the prompt is copied into every row's cache and
+    attention is one call (SDPA's or the kernel's).
 
     The q/k/v and gate/up projections are concatenated into one weight each when the decoder is built (once per
     `generate`, after any weight load), so a layer is 4 matrix products instead of 7: fewer dispatches, and

@@ -1,9 +1,9 @@
 """tandem's C kernels (decode attention, `kernels/decode_attention.c`): compiled with the machine's C compiler on
-first use, cached per source, compiler flags and processor, and called through ctypes.
+first use, once per head shape, cached per source, compiler flags and processor, and called through ctypes.
 
 Why C and ctypes rather than a PyTorch C++ extension: the kernel needs raw pointers and strides, nothing of ATen,
-and a plain C file compiles in under a second where a file that includes the ATen headers took 34 s on a 2-core
-machine (every user's first run would pay it). Why compile on the user's machine: `-march=native` lets the
+and a plain C file compiles in ~0.4 s where a file that includes the ATen headers took 34 s on a 2-core machine
+(every user's first run would pay it). Why compile on the user's machine: `-march=native` lets the
 compiler use every vector unit the processor has (AVX2, AVX-512, NEON) from one portable source; the cache key
 includes the processor's feature flags, so a home directory shared by unlike machines holds one build for each.
 No compiler, or a failed build, leaves PyTorch's SDPA in use (`rollout.attention_kernel`).
@@ -29,7 +29,11 @@ SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
 # fast-math's reassociation only (the dot products' partial sums vectorize); no finite-math assumption, since
 # masked scores are -inf
 FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC",
-         "-shared", "-pthread"]
+         "-shared"]
+# Tried in this order, the first that builds kept: `-march=native` for every vector unit the processor has, OpenMP
+# for threads (libgomp.so.1: PyTorch's own, already loaded, so the kernel's threads are torch's pool); a compiler
+# without either still builds one (single-threaded, or for the baseline of its target)
+VARIANTS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # MAXG, MAXD in the C source
 
 
@@ -55,16 +59,16 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(cc: str, target: Path) -> str | None:
-    """Compile the source into `target` (written whole or not at all: processes may build at once); None, or
-    why it failed. `-march=native` first, then without it for a compiler that does not know it."""
+def _build(cc: str, flags: list[str], target: Path) -> str | None:
+    """Compile the source into `target` (written whole or not at all: processes may build at once) with the first
+    of VARIANTS that builds; None, or why the last failed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     errors = []
-    for arch in (["-march=native"], []):
+    for variant in VARIANTS:
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
         os.close(fd)
         try:
-            done = subprocess.run([cc, *arch, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+            done = subprocess.run([cc, *variant, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode == 0:
                 os.replace(tmp, target)
@@ -79,16 +83,18 @@ def _build(cc: str, target: Path) -> str | None:
 
 
 @functools.cache
-def library() -> tuple[ctypes.CDLL | None, str]:
-    """The loaded kernel library and "", or None and why it is not available (once per process)."""
+def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
+    """The kernel built for `group` query heads per KV head of `head_dim` dims, loaded, and ""; or None and why it
+    is not available (once per process and shape)."""
     cc = _compiler()
     if cc is None:
         return None, "no C compiler (set CC, or install gcc or clang)"
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), cc.encode(),
+    flags = [*FLAGS, f"-DTANDEM_G={group}", f"-DTANDEM_C={head_dim // 8}"]
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), cc.encode(),
                                       _processor().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    target = _cache_dir() / f"decode_attention-g{group}-d{head_dim}-{key}.so"
     if not target.exists():
-        why = _build(cc, target)
+        why = _build(cc, flags, target)
         if why:
             return None, why
     try:
@@ -101,9 +107,10 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
-def unusable(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
-             device: torch.device) -> str:
-    """Why the kernel cannot serve a decoder of these shapes and dtypes ("" if it can)."""
+def unsupported(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+                device: torch.device) -> str:
+    """Why the kernel does not serve a decoder of these shapes and dtypes ("" if it does; whether it builds is
+    `library`'s to say)."""
     if device.type != "cpu":
         return f"it runs on CPU, the model is on {device.type}"
     if dtype != torch.float32 or kv_dtype not in (torch.float32, torch.bfloat16):
@@ -111,7 +118,7 @@ def unusable(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dt
     if heads % kv_heads or heads // kv_heads > MAX_GROUP or head_dim % 8 or head_dim > MAX_HEAD_DIM:
         return (f"{heads} query heads over {kv_heads} KV heads of {head_dim} dims: it needs a whole group of at "
                 f"most {MAX_GROUP} and a head dim that is a multiple of 8 up to {MAX_HEAD_DIM}")
-    return library()[1]
+    return ""
 
 
 def _segment(k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None, group: int) -> list[int]:
@@ -128,11 +135,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: to
     values, seen) of [U, KV, P, D] and [U, P], against its group's prompt first (row b reads prompt b // (B / U)),
     held once for the group's rows: out [B, H, D], float32, one softmax over both. The same result as SDPA with
     enable_gqa to float rounding (a bf16 cache's queries rounded to bf16 as SDPA's would be; its output stays
-    float32, where SDPA's is rounded to bf16). `unusable` says "" first."""
-    lib, why = library()
+    float32, where SDPA's is rounded to bf16). For shapes `unsupported` says "" of."""
+    B, H, D = q.shape
+    lib, why = library(H // k.shape[1], D)
     if lib is None:
         raise RuntimeError(f"native decode attention is not available: {why}")
-    B, H, D = q.shape
     if q.stride(2) != 1 or q.dtype != torch.float32:
         raise ValueError("decode_attention needs float32 queries with a contiguous last dim")
     out = torch.empty((B, H, D), dtype=torch.float32, device=q.device)

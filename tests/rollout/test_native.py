@@ -100,11 +100,24 @@ def test_threads_split_the_work_and_give_the_same_result():
 
 
 def test_shapes_and_dtypes_it_cannot_serve_are_named():
-    assert native.unusable(8, 4, 64, torch.float32, torch.bfloat16, torch.device("cpu")) == ""
-    assert "multiple of 8" in native.unusable(8, 4, 60, torch.float32, torch.float32, torch.device("cpu"))
-    assert "multiple of 8" in native.unusable(64, 2, 64, torch.float32, torch.float32, torch.device("cpu"))
-    assert "float32 queries" in native.unusable(8, 4, 64, torch.bfloat16, torch.bfloat16, torch.device("cpu"))
-    assert "CPU" in native.unusable(8, 4, 64, torch.float32, torch.float32, torch.device("meta"))
+    cpu = torch.device("cpu")
+    assert native.unsupported(8, 4, 64, torch.float32, torch.bfloat16, cpu) == ""
+    assert "multiple of 8" in native.unsupported(8, 4, 60, torch.float32, torch.float32, cpu)
+    assert "multiple of 8" in native.unsupported(64, 2, 64, torch.float32, torch.float32, cpu)
+    assert "float32 queries" in native.unsupported(8, 4, 64, torch.bfloat16, torch.bfloat16, cpu)
+    assert "CPU" in native.unsupported(8, 4, 64, torch.float32, torch.float32, torch.device("meta"))
+
+
+def test_a_build_for_one_head_shape_refuses_another():
+    """Each head shape has its own build (its loop bounds are constants): one called with another shape's
+    tensors must refuse, not read out of bounds."""
+    q, k, v, seen = inputs(2, 8, 4, 5, 64, torch.float32, holes=False)
+    lib, _ = native.library(4, 64)  # built for 4 query heads per KV head, called with 2
+    out = torch.empty(2, 8, 64)
+    dims = (native.ctypes.c_int64 * 26)(2, 8, 4, 64, *q.stride()[:2], *out.stride()[:2], 0, 1, *[0] * 7,
+                                        *native._segment(k, v, seen, 1))
+    assert lib.tandem_decode_attention(q.data_ptr(), out.data_ptr(), None, None, None, k.data_ptr(), v.data_ptr(),
+                                       seen.data_ptr(), dims, 0, 0.125, 1) == 3
 
 
 def test_a_failed_build_leaves_sdpa_and_native_raises(tiny_model, tmp_path, monkeypatch, caplog):
@@ -112,7 +125,7 @@ def test_a_failed_build_leaves_sdpa_and_native_raises(tiny_model, tmp_path, monk
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     native.library.cache_clear()
     try:
-        lib, why = native.library()
+        lib, why = native.library(2, 8)
         assert lib is None and "no-such-compiler" in why
         assert HFEngine(str(tiny_model), seed=0).attention_kernel == "sdpa"
         assert "PyTorch SDPA" in caplog.text and "no-such-compiler" in caplog.text
@@ -126,9 +139,28 @@ def test_a_fresh_cache_builds_one_library(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
     native.library.cache_clear()
     try:
-        lib, why = native.library()
+        lib, why = native.library(2, 64)
         assert lib is not None, why
-        assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # no temporary file left behind
+        built = [p.name for p in tmp_path.iterdir()]
+        assert len(built) == 1 and built[0].startswith("decode_attention-g2-d64-"), built  # no temporary left
+    finally:
+        native.library.cache_clear()
+
+
+def test_a_compiler_without_openmp_or_march_native_still_builds_one(tmp_path, monkeypatch):
+    """The build falls back flag by flag (clang without libomp, a compiler that does not know -march=native): the
+    kernel then runs single-threaded, for the compiler's baseline target, and gives the same result."""
+    cc = tmp_path / "cc"
+    cc.write_text(f"#!/bin/sh\nfor a in \"$@\"; do case $a in -fopenmp|-march=native) exit 1;; esac; done\n"
+                  f"exec {native._compiler()} \"$@\"\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    native.library.cache_clear()
+    try:
+        q, k, v, seen = inputs(64, 8, 4, 40, 64, torch.float32, holes=True)
+        out = native.decode_attention(q, k, v, seen, 0.125)
+        assert torch.allclose(out.double(), reference(q, k, v, seen, 0.125, False), atol=2e-6)
     finally:
         native.library.cache_clear()
 
