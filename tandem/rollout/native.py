@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -22,8 +21,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
 # fast-math's reassociation only (the dot products' partial sums vectorize); no finite-math assumption, since
@@ -135,7 +132,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: to
     values, seen) of [U, KV, P, D] and [U, P], against its group's prompt first (row b reads prompt b // (B / U)),
     held once for the group's rows: out [B, H, D], float32, one softmax over both. The same result as SDPA with
     enable_gqa to float rounding (a bf16 cache's queries rounded to bf16 as SDPA's would be; its output stays
-    float32, where SDPA's is rounded to bf16). For shapes `unsupported` says "" of."""
+    float32, where SDPA's is rounded to bf16). Only for shapes and dtypes that `unsupported` accepts."""
     B, H, D = q.shape
     lib, why = library(H // k.shape[1], D)
     if lib is None:
