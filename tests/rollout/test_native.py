@@ -38,8 +38,8 @@ def inputs(B, H, KV, L, D, dtype, holes: bool, seed: int = 0):
 @pytest.mark.parametrize("H,KV,D", [(8, 4, 64), (4, 4, 64), (8, 2, 128), (6, 2, 8), (12, 4, 40)])
 @pytest.mark.parametrize("L", [1, 3, 37])
 def test_matches_a_float64_reference(H, KV, D, L, dtype):
-    """Each head shape (the inlined ones and the generic path), lengths below and across the kernel's 4-position
-    blocks, masks with holes, both cache dtypes."""
+    """Head shapes (each its own build: 1 to 3 query heads per KV head, head dims 8 to 128, 40 leaving a partial
+    value block), lengths below and across the kernel's 4-position blocks, masks with holes, both cache dtypes."""
     q, k, v, seen = inputs(3, H, KV, L, D, dtype, holes=L > 2)
     out = native.decode_attention(q, k, v, seen, D ** -0.5)
     ref = reference(q, k, v, seen, D ** -0.5, dtype == torch.bfloat16)
