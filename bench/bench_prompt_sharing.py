@@ -3,9 +3,10 @@
     .venv/bin/python bench/bench_prompt_sharing.py [--threads 1] [--repeats 3] [--attention-kernel sdpa|native]
 
 Times `HFEngine.generate` (fixed-length rollouts, temperature 1) with `llama_decode.SHARED_PROMPT_MIN_BYTES` (the
-threshold of the decode attention kernel asked for, `rollout.attention_kernel`) forced off and on, alternating, best of `--repeats`, on bench_trl's small and large models, for prompts of several lengths
-and group shapes; prints each side's seconds, the ratio shared / per-row, the bytes of repeated prompt keys and
-values per layer that the threshold looks at, and which way the threshold picks. The constant's comment quotes this.
+threshold of the decode attention kernel asked for, `rollout.attention_kernel`) forced off and on, alternating,
+best of `--repeats`, on bench_trl's small and large models, for prompts of several lengths and group shapes;
+prints each side's seconds, the ratio shared / per-row, the bytes of repeated prompt keys and values per layer that
+the threshold looks at, and which way the threshold picks. The constant's comment quotes this.
 """
 from __future__ import annotations
 

@@ -347,8 +347,7 @@ def child(framework: str, w: Workload, model: Path, work: Path, steps: int, thre
           kv_cache_dtype: str = "auto", attention_kernel: str = "auto") -> dict:
     """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other)."""
     result = work / (f"{framework}-{engine}-{kv_cache_dtype}-{attention_kernel}-{w.name}-{w.prompts}x{w.generations}"
-                     f"x{w.new_tokens}"
-                     f"-c{w.context}.json")
+                     f"x{w.new_tokens}-c{w.context}.json")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", framework,

@@ -162,7 +162,7 @@ class StaticDecoder:
     def __init__(self, model, cache, n: int, max_new: int, prompt_mask: torch.Tensor,
                  kv_dtype: torch.dtype | None = None, kernel: str = "sdpa"):
         self.model = model
-        self.native = kernel == "native"  # `attention_kernel`'s choice
+        self.native, self.attention = kernel == "native", _KERNELS[kernel]  # `attention_kernel`'s choice
         self.layers = model.model.layers
         a = self.layers[0].self_attn
         self.head_dim, self.scaling = a.head_dim, a.scaling
@@ -191,8 +191,9 @@ class StaticDecoder:
             self.v.append(v)
         self.w = fused_layers(model)
         self.rotary = rotary_tables(model, int(prompt_mask.sum(-1).max()) + max_new)
-        if self.shared:  # added to a prompt's attention scores: -inf on its left padding (the C kernel: a mask)
+        if self.shared and self.native:  # the prompt positions each group's rows see (not its left padding)
             self.prompt_seen = prompt_mask.bool().contiguous()
+        elif self.shared:  # added to a prompt's attention scores: -inf on its left padding
             self.prompt_bias = torch.zeros((U, 1, 1, P), dtype=torch.float32, device=p.device)
             self.prompt_bias.masked_fill_(~prompt_mask.bool()[:, None, None, :], float("-inf"))
         else:  # key positions a row may see: its prompt's real tokens, and every generated slot once written
@@ -214,8 +215,8 @@ class StaticDecoder:
                                                prompt=(self.prompt_k[i], self.prompt_v[i], self.prompt_seen))
             if self.shared:
                 return self._split_attention(q.to(self.kv_dtype), i, slot + 1).to(q.dtype)
-            attention = native.decode_attention if self.native else _attention
-            return attention(q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], self.mask[:, : slot + 1], self.scaling)
+            return self.attention(q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], self.mask[:, : slot + 1],
+                                  self.scaling)
 
         logits = decode_layers(self.model, self.w, self.rotary, tokens, positions, attend)
         self.generated += 1
@@ -240,6 +241,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Te
     where `seen` [B, L] allows: SDPA, the query rounded to the cache's dtype and the output returned to its own."""
     return F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=seen[:, None, None, :],
                                           scale=scale, enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
+
+
+# `attention_kernel`'s names: each row's query against its own cached keys, (q, k, v, seen, scale) -> [B, H, D]
+_KERNELS = {"native": native.decode_attention, "sdpa": _attention}
 
 
 def decode_layers(model, fused: list[tuple], rotary: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor,
@@ -279,7 +284,7 @@ class SlotDecoder:
     def __init__(self, model, slots: int, capacity: int, kv_dtype: torch.dtype | None = None,
                  kernel: str = "sdpa"):
         self.model, self.slots, self.capacity = model, slots, capacity
-        self.attention = native.decode_attention if kernel == "native" else _attention  # `attention_kernel`'s
+        self.attention = _KERNELS[kernel]  # `attention_kernel`'s choice
         a, p = model.model.layers[0].self_attn, next(model.parameters())
         self.scaling = a.scaling
         shape = (slots, model.config.num_key_value_heads, capacity, a.head_dim)
