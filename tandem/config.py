@@ -220,7 +220,7 @@ class RolloutConfig(Section):
     attention_kernel: Literal["auto", "native", "sdpa"] = Field(
         "auto", description="The hf engine's decode attention (its lean decoder: Llama-family models on CPU). "
         "`native`: tandem's C kernel (tandem/rollout/kernels), compiled with the machine's C compiler on first use, "
-        "once per head shape (~0.4 s; cached in ~/.cache/tandem/kernels or TANDEM_KERNEL_CACHE); it reads each KV "
+        "once per head shape (well under a second; cached in ~/.cache/tandem/kernels or TANDEM_KERNEL_CACHE); it reads each KV "
         "head's keys once for all its query heads and a group's prompt once for its rows, and widens a bf16 cache "
         "by a shift, so it is faster than SDPA at decode shapes, most of all with a bf16 cache (bench/bench_trl.py "
         "--attention-kernel both prints both); float32 models, head dims a multiple of 8. `sdpa`: PyTorch's "

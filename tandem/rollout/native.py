@@ -2,8 +2,8 @@
 first use, once per head shape, cached per source, compiler flags and processor, and called through ctypes.
 
 Why C and ctypes rather than a PyTorch C++ extension: the kernel needs raw pointers and strides, nothing of ATen,
-and a plain C file compiles in ~0.4 s where a file that includes the ATen headers took 34 s on a 2-core machine
-(every user's first run would pay it). Why compile on the user's machine: `-march=native` lets the
+and a plain C file compiles in well under a second where a file that includes the ATen headers takes tens of
+seconds (every user's first run would pay it). Why compile on the user's machine: `-march=native` lets the
 compiler use every vector unit the processor has (AVX2, AVX-512, NEON) from one portable source; the cache key
 includes the processor's feature flags, so a home directory shared by unlike machines holds one build for each.
 No compiler, or a failed build, leaves PyTorch's SDPA in use (`rollout.attention_kernel`).
