@@ -1,6 +1,6 @@
 """Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--attention-kernel auto|native|sdpa|both]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--decode-kernel auto|native|sdpa|both]
 
 Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
 then tandem, each in a fresh child process (same process tree, same torch thread count), and prints one table:
@@ -13,9 +13,9 @@ micro-batch's tokens; `achievable_seconds`), which separates a framework's overh
 shape, and where each phase's time goes (matrix products, decode attention, the rest). `--engine vllm` samples
 tandem's rollouts with vLLM in its process (TRL keeps its HF generate); `--engine both` runs tandem with each
 engine in the same invocation, side by side; `--kv-cache-dtype both` runs the hf engine with a float32 and with a
-bfloat16 KV cache (`rollout.kv_cache_dtype`), each against its own attention alone; `--attention-kernel both` runs
-it with tandem's C decode attention and with PyTorch's SDPA (`rollout.attention_kernel`; default auto, the C kernel
-where it builds), each against the same kernel's attention alone.
+bfloat16 KV cache (`rollout.kv_cache_dtype`), each against its own attention alone; `--decode-kernel both` runs
+it with tandem's C decode step (its attention included) and with PyTorch ops and SDPA (`rollout.decode_kernel`;
+default auto, the C step where it builds), each against the same kernel's attention alone.
 
 Workloads (both: KL 0.04 with the k3 estimator and a loaded reference model, token-mean loss (TRL's `dapo`),
 clip 0.2, fp32, no gradient checkpointing, no dropping of zero-variance groups, temperature 1, lr 1e-5):
@@ -157,7 +157,7 @@ def gemm_seconds(shapes: list[tuple[int, int]], rows: int, backward: bool, repea
     return min(once() for _ in range(repeats))
 
 
-def decode_attention_seconds(w: Workload, prompt_tokens: int, dtype: str = "float32", kernel: str = "sdpa") -> float:
+def decode_attention_seconds(w: Workload, prompt_tokens: int, dtype: str = "float32", kernel: str = "torch") -> float:
     """A rollout's attention alone: every decode step's one query per row and head against the row's keys so far
     on per-row caches (as HF generate and tandem's engine for short prompts run it), all layers, by `kernel`:
     PyTorch's SDPA, or tandem's C kernel (`native`). Not in the FLOP floor (a few % of the FLOPs), but a
@@ -306,7 +306,7 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
 
 
 def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, engine: str = "hf",
-               kv_cache_dtype: str = "auto", attention_kernel: str = "auto") -> dict:
+               kv_cache_dtype: str = "auto", decode_kernel: str = "auto") -> dict:
     from tandem.config import load_config
     from tandem.trainer import train
 
@@ -326,7 +326,7 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
         "data.eval_size=1", f"algo.kl_coef={KL}", "algo.kl_estimator=k3",
         "algo.loss_agg=token_mean", f"algo.clip_low={CLIP}", f"algo.clip_high={CLIP}", "algo.adv_eps=1e-4",
         f"optim.lr={LR}", "rewards=[{name: arithmetic_exact}]", "reward_pool.workers=0", f"rollout.engine={engine}",
-        f"rollout.kv_cache_dtype={kv_cache_dtype}", f"rollout.attention_kernel={attention_kernel}",
+        f"rollout.kv_cache_dtype={kv_cache_dtype}", f"rollout.decode_kernel={decode_kernel}",
     ])
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -344,16 +344,16 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
 
 
 def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf",
-          kv_cache_dtype: str = "auto", attention_kernel: str = "auto") -> dict:
+          kv_cache_dtype: str = "auto", decode_kernel: str = "auto") -> dict:
     """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other)."""
-    result = work / (f"{framework}-{engine}-{kv_cache_dtype}-{attention_kernel}-{w.name}-{w.prompts}x{w.generations}"
+    result = work / (f"{framework}-{engine}-{kv_cache_dtype}-{decode_kernel}-{w.name}-{w.prompts}x{w.generations}"
                      f"x{w.new_tokens}-c{w.context}.json")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", framework,
            "--spec", w.to_json(), "--model", str(model), "--out", str(result), "--steps", str(steps),
            "--threads", str(threads), "--engine", engine, "--kv-cache-dtype", kv_cache_dtype,
-           "--attention-kernel", attention_kernel]
+           "--decode-kernel", decode_kernel]
     proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout[-6000:])
@@ -382,9 +382,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "both", "auto"], default="float32",
                     help="tandem's hf engine's KV cache (rollout.kv_cache_dtype); both: the hf engine twice, each "
                          "cache side by side. Default float32, the reference the x GEMMs targets are stated for")
-    ap.add_argument("--attention-kernel", choices=["auto", "native", "sdpa", "both"], default="auto",
-                    help="tandem's hf engine's decode attention (rollout.attention_kernel); both: the hf engine with "
-                         "tandem's C kernel and with SDPA, side by side")
+    ap.add_argument("--decode-kernel", choices=["auto", "native", "torch", "both"], default="auto",
+                    help="tandem's hf engine's decode step (rollout.decode_kernel); both: the hf engine with "
+                         "tandem's C step and with PyTorch ops and SDPA, side by side")
     ap.add_argument("--child", choices=["trl", "tandem"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -398,7 +398,7 @@ def main() -> None:
             res = run_trl(w, Path(args.model), out, args.steps, args.threads)
         else:
             res = run_tandem(w, Path(args.model), out, args.steps, args.threads, args.engine, args.kv_cache_dtype,
-                             args.attention_kernel)
+                             args.decode_kernel)
         Path(args.out).write_text(json.dumps(res))
         return
 
@@ -407,15 +407,15 @@ def main() -> None:
     names = ["small", "large"] if args.workload == "both" else [args.workload]
     engines = ["hf", "vllm"] if args.engine == "both" else [args.engine]
     caches = ["float32", "bfloat16"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
-    kernels = ["native", "sdpa"] if args.attention_kernel == "both" else [args.attention_kernel]
+    kernels = ["native", "torch"] if args.decode_kernel == "both" else [args.decode_kernel]
     # vLLM: its own cache dtype (the model's) and attention
     variants = [(e, kv, a) for e in engines for kv in (caches if e == "hf" else ["auto"])
                 for a in (kernels if e == "hf" else ["auto"])]
-    # (label, framework, tandem's engine, its KV cache dtype, its attention kernel): TRL once, tandem per variant
-    runs = [("trl", "trl", "hf", "auto", "sdpa")] if "trl" in args.frameworks else []
+    # (label, framework, tandem's engine, its KV cache dtype, its decode kernel): TRL once, tandem per variant
+    runs = [("trl", "trl", "hf", "auto", "torch")] if "trl" in args.frameworks else []
     if "tandem" in args.frameworks:
         runs += [("tandem" if len(variants) == 1 else f"tandem-{e}" + ("-bf16kv" if kv == "bfloat16" else "")
-                  + ("-sdpa" if a == "sdpa" and len(kernels) > 1 else ""), "tandem", e, kv, a)
+                  + ("-torch" if a == "torch" and len(kernels) > 1 else ""), "tandem", e, kv, a)
                  for e, kv, a in variants]
     labels = [label for label, *_ in runs]
     from tandem.rollout import native
@@ -424,14 +424,15 @@ def main() -> None:
     w0 = WORKLOADS["large"]  # both workloads' heads: 2 query heads per KV head of 64 dims
     built = native.library(w0.heads // w0.kv_heads, w0.hidden // w0.heads)
     print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, tandem's engine: {args.engine}, "
-          f"kv cache: {args.kv_cache_dtype}, native bf16: {native_bf16()}, attention kernel: {args.attention_kernel} "
-          f"(tandem's C kernel: {'built' if built[0] else 'not available: ' + built[1]}), "
+          f"kv cache: {args.kv_cache_dtype}, native bf16: {native_bf16()}, decode kernel: {args.decode_kernel} "
+          f"(tandem's C kernel: {'built' if built[0] else 'not available: ' + built[1]}; whole step in C: "
+          f"{'yes' if native.sgemm()[0] else 'no, ' + native.sgemm()[1]}), "
           f"load average at start={os.getloadavg()}")
     rate = matmul_gflops(args.threads)
     print(f"fp32 matmul rate at {args.threads} thread(s): {rate:.1f} GFLOP/s")
     # each run's attention alone is timed with its cache dtype and kernel (auto: the C kernel where it built)
     kind = {label: ("bfloat16" if kv == "bfloat16" else "float32",
-                    "native" if kernel == "native" or (kernel == "auto" and built[0]) else "sdpa")
+                    "native" if kernel == "native" or (kernel == "auto" and built[0]) else "torch")
             for label, _, _, kv, kernel in runs}
     table = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:

@@ -213,20 +213,22 @@ class RolloutConfig(Section):
         "`auto`: bfloat16 for a float32 model where the processor has native bf16 (AVX-512 BF16, AMX), else the "
         "model's dtype, which keeps the sampler within float32's gap of the trainer (the tighter sync guard) where "
         "bf16 is not native (SDPA's bf16 attention is then emulated, ~3x slower than float32's; tandem's C kernel, "
-        "attention_kernel, widens bf16 by a shift and reads a bf16 cache faster than a float32 one on any "
+        "decode_kernel, widens bf16 by a shift and reads a bf16 cache faster than a float32 one on any "
         "processor, so there bfloat16 is the faster choice, at the gap above). TANDEM_NATIVE_BF16=0 or 1 "
         "overrides the processor probe. vLLM's cache follows the model's dtype (keep auto).",
     )
-    attention_kernel: Literal["auto", "native", "sdpa"] = Field(
-        "auto", description="The hf engine's decode attention (its lean decoder: Llama-family models on CPU). "
-        "`native`: tandem's C kernel (tandem/rollout/kernels), compiled with the machine's C compiler on first use, "
-        "once per head shape (well under a second; cached in ~/.cache/tandem/kernels or TANDEM_KERNEL_CACHE); it reads each KV "
+    decode_kernel: Literal["auto", "native", "torch"] = Field(
+        "auto", description="How the hf engine's lean decoder (Llama-family models on CPU) runs a decode step. "
+        "`native`: tandem's C decode step (tandem/rollout/kernels), one call per step: every layer's norms, rotary, "
+        "cache writes, attention, SiLU gate and residual adds in C, its matrix products by the BLAS PyTorch itself "
+        "calls (its `sgemm_`; where PyTorch exposes none, only the attention is C's); the attention reads each KV "
         "head's keys once for all its query heads and a group's prompt once for its rows, and widens a bf16 cache "
-        "by a shift, so it is faster than SDPA at decode shapes, most of all with a bf16 cache (bench/bench_trl.py "
-        "--attention-kernel both prints both); float32 models, head dims a multiple of 8. `sdpa`: PyTorch's "
-        "scaled_dot_product_attention (and batched products for a long prompt held once per group). `auto`: native "
-        "where it builds and serves the model, else SDPA (the log says why). The two agree to float rounding. vLLM "
-        "has its own (keep auto).",
+        "by a shift. Compiled with the machine's C compiler on first use, once per head shape (well under a second; "
+        "cached in ~/.cache/tandem/kernels or TANDEM_KERNEL_CACHE); float32 models, head dims a multiple of 8. "
+        "`torch`: the same math in PyTorch ops, attention by SDPA (and batched products for a long prompt held once "
+        "per group): ~15 dispatched ops per layer and step, which a small model's step mostly is. `auto`: native "
+        "where it builds and serves the model, else torch (the log says why). The two agree to float rounding "
+        "(bench/bench_trl.py --decode-kernel both prints both). vLLM has its own (keep auto).",
     )
     max_in_flight: int = Field(
         0, ge=0, description="placement.schedule: stream: the requests (completions) each sampler keeps decoding "
@@ -712,9 +714,9 @@ class Config(Section):
         if r.engine == "vllm" and r.kv_cache_dtype != "auto":
             raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} is the hf engine's; vLLM's KV cache "
                               "follows the model's dtype (model.dtype); set rollout.kv_cache_dtype=auto")
-        if r.engine == "vllm" and r.attention_kernel != "auto":
-            raise ConfigError(f"rollout.attention_kernel: {r.attention_kernel} is the hf engine's; vLLM picks its own "
-                              "attention backend; set rollout.attention_kernel=auto")
+        if r.engine == "vllm" and r.decode_kernel != "auto":
+            raise ConfigError(f"rollout.decode_kernel: {r.decode_kernel} is the hf engine's; vLLM runs its own "
+                              "kernels; set rollout.decode_kernel=auto")
         if r.tensor_parallel > 1 and r.engine != "vllm":
             raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} needs rollout.engine: vllm (the "
                               f"{r.engine} engine has no tensor parallel); set rollout.tensor_parallel=1")

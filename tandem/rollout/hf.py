@@ -66,7 +66,7 @@ class HFEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
                  model=None, tokenizer=None, device: str | None = None, kv_cache_dtype: str = "auto",
-                 attention_kernel: str = "auto"):
+                 decode_kernel: str = "auto"):
         self.tokenizer = tokenizer or load_tokenizer(model_path, trust_remote_code)
         self.model = model if model is not None else load_causal_lm(model_path, dtype, trust_remote_code)
         if device is not None:
@@ -81,13 +81,13 @@ class HFEngine:
         self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
         # the lean decoder's KV cache dtype (rollout.kv_cache_dtype); the HF forward keeps the model's
         self.kv_dtype = llama_decode.kv_cache_dtype(kv_cache_dtype, next(self.model.parameters()).dtype)
-        if (kv_cache_dtype, attention_kernel) != ("auto", "auto") and not llama_decode.supports(self.model):
-            log.warning("rollout.kv_cache_dtype=%s and attention_kernel=%s apply to the lean decoder (Llama-family "
+        if (kv_cache_dtype, decode_kernel) != ("auto", "auto") and not llama_decode.supports(self.model):
+            log.warning("rollout.kv_cache_dtype=%s and decode_kernel=%s apply to the lean decoder (Llama-family "
                         "models on CPU); this model decodes with the HF forward, its cache in the model's dtype",
-                        kv_cache_dtype, attention_kernel)
-        # the lean decoder's decode attention (rollout.attention_kernel): native (tandem's C kernel) or sdpa
-        self.attention_kernel = (llama_decode.attention_kernel(attention_kernel, self.model, self.kv_dtype)
-                                 if llama_decode.supports(self.model) else "sdpa")
+                        kv_cache_dtype, decode_kernel)
+        # the lean decoder's decode attention (rollout.decode_kernel): native (tandem's C kernel) or sdpa
+        self.decode_kernel = (llama_decode.decode_kernel(decode_kernel, self.model, self.kv_dtype)
+                                 if llama_decode.supports(self.model) else "torch")
         if llama_decode.decodes(self.model):  # q/k/v and gate/up as views of one tensor each: read with no copy
             llama_decode.fuse_parameters(self.model)
         self._params = dict(self.model.named_parameters())
@@ -129,7 +129,8 @@ class HFEngine:
             texts: list[str | None] = [None] * B
             limits = torch.tensor([sampling.limit(i // n) for i in range(B)], device=dev)
             capped = torch.zeros(B, dtype=torch.bool, device=dev)  # stopped at their own limit, below max_new_tokens
-            for _ in range(int(limits.max())):
+            most = int(limits.max())
+            for drawn in range(1, most + 1):
                 tok, lp = _draw(logits.float(), sampling, gens)
                 tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
                 tokens.append(tok)
@@ -143,7 +144,7 @@ class HFEngine:
                     at_limit = (lengths >= limits) & ~finished
                     capped |= at_limit
                     finished |= at_limit
-                if bool(finished.all()):
+                if drawn == most or bool(finished.all()):  # no row takes another token: no step to feed this one
                     break
                 logits = step(tok, next_pos)
                 next_pos = next_pos + 1
@@ -155,22 +156,24 @@ class HFEngine:
     def _prefill(self, prompts: list[list[int]], n: int, max_new_tokens: int):
         """Each prompt once (a group's n rows share it); the first logits of every row, the rows' next positions,
         and the decode step `(tokens, positions) -> logits`: the lean static-cache path where the architecture
-        allows it (it keeps each prompt's keys and values once), else the HF forward on a cache copied out to
-        every row."""
+        allows it (its own prefill; it keeps each prompt's keys and values once), else the HF forward on a cache
+        copied out to every row."""
         from transformers import DynamicCache
 
         ids, attn = self._left_padded(prompts)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        next_pos = pos[:, -1].repeat_interleave(n) + 1
+        if self.fast_decode and llama_decode.supports(self.model) and max_new_tokens > 1:
+            fused = llama_decode.fused_layers(self.model)
+            logits, kv = llama_decode.prefill(self.model, fused, ids, attn, pos)
+            decoder = llama_decode.StaticDecoder(self.model, kv, n, max_new_tokens, attn, self.kv_dtype,
+                                                  self.decode_kernel, fused)
+            return logits.repeat_interleave(n, dim=0), next_pos, decoder.step
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
-        next_pos = pos[:, -1].repeat_interleave(n) + 1
         del out
-        if self.fast_decode and llama_decode.supports(self.model) and max_new_tokens > 1:
-            decoder = llama_decode.StaticDecoder(self.model, cache, n, max_new_tokens, attn, self.kv_dtype,
-                                                  self.attention_kernel)
-            return logits, next_pos, decoder.step
         cache.batch_repeat_interleave(n)
         seen = [attn.repeat_interleave(n, dim=0)]  # the rows' attention mask so far (a step adds a column)
 

@@ -6,7 +6,8 @@ Why: on CPU a decode step of a small model is mostly Python overhead (the HF for
 step is ~15 tensor ops per layer and the cache is written in place. The prefill still runs the HF forward.
 Numerics match the HF forward to float rounding (the same ops in the same order; attention by tandem's C kernel,
 `native.py`, or by SDPA, or, where a group's prompt is held once and the kernel is not in use, a float32 softmax
-over the prompt's and the row's own keys).
+over the prompt's and the row's own keys). With `decode_kernel` native the whole step is one C call
+(`native.DecodeStep`: the same math, its matrix products by PyTorch's own BLAS).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def native_bf16() -> bool:
     """The processor converts and multiplies bfloat16 natively (AVX-512 BF16 or AMX): there a bf16 KV cache's
     attention reads half the bytes at no extra cost. Without it (AVX2) SDPA's bf16 arithmetic is emulated and a
     bf16 cache's attention measured about 3x slower than float32's (`bench/bench_trl.py --kv-cache-dtype both
-    --attention-kernel sdpa`); tandem's C kernel widens bf16 by a shift and is faster on bf16 anywhere.
+    --decode-kernel torch`); tandem's C kernel widens bf16 by a shift and is faster on bf16 anywhere.
     TANDEM_NATIVE_BF16=0 or 1 overrides the probe (the test suite sets 0, so its numbers do not depend on the
     machine)."""
     override = os.environ.get("TANDEM_NATIVE_BF16")
@@ -72,14 +73,14 @@ def kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
     return getattr(torch, requested)
 
 
-def attention_kernel(requested: str, model, kv_dtype: torch.dtype) -> str:
-    """The lean decoder's decode attention for `rollout.attention_kernel` (auto | native | sdpa): `native`,
-    tandem's C kernel, where it builds and serves the model's head shapes, else `sdpa`, PyTorch's (with its batched
-    products for a prompt held once per group); `auto` says why in the log, `native` raises."""
-    if requested == "sdpa":
-        return "sdpa"
+def decode_kernel(requested: str, model, kv_dtype: torch.dtype) -> str:
+    """The lean decoder's kernel for `rollout.decode_kernel` (auto | native | torch): `native`, tandem's C decode
+    step and attention, where it builds and serves the model's head shapes, else `torch`, PyTorch ops with SDPA
+    (and batched products for a prompt held once per group); `auto` says why in the log, `native` raises."""
+    if requested == "torch":
+        return "torch"
     if requested not in ("auto", "native"):
-        raise ValueError(f"attention_kernel {requested!r}: use auto, native or sdpa")
+        raise ValueError(f"decode_kernel {requested!r}: use auto, native or torch")
     cfg, p = model.config, next(model.parameters())
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = model.model.layers[0].self_attn.head_dim
@@ -87,12 +88,14 @@ def attention_kernel(requested: str, model, kv_dtype: torch.dtype) -> str:
     if not why:  # a model it serves: the build is what may fail, which a user can fix (a compiler)
         why, level = native.library(heads // kv_heads, head_dim)[1], logging.WARNING
     if not why:
+        if native.sgemm()[0] is None:
+            log.info("decode step: PyTorch ops around tandem's C attention (%s)", native.sgemm()[1])
         return "native"
     if requested == "native":
-        raise RuntimeError(f"rollout.attention_kernel=native: the kernel cannot serve this model: {why}; set "
-                           "rollout.attention_kernel=auto (or sdpa)")
-    log.log(level, "decode attention: PyTorch SDPA (tandem's native kernel: %s)", why)
-    return "sdpa"
+        raise RuntimeError(f"rollout.decode_kernel=native: the kernel cannot serve this model: {why}; set "
+                           "rollout.decode_kernel=auto (or torch)")
+    log.log(level, "decode step: PyTorch ops and SDPA (tandem's native kernel: %s)", why)
+    return "torch"
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -129,9 +132,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 # this machine's noise); 786 KB 0.85; bench_trl's large rollout (1.4 MB) 0.95; 2 prompts of 256 tokens x 32 rows
 # (16 MB) 0.51. The threshold sits above the noisy band. That is SDPA's; tandem's C kernel (`native`) reads a prompt
 # held once in the same single call as the rows' own keys, so the split costs no op and a group's prompt is always
-# held once (`bench_prompt_sharing.py --attention-kernel native`: shared / per-row 0.93-1.02 from 74 KB to 1.4 MB
+# held once (`bench_prompt_sharing.py --decode-kernel native`: shared / per-row 0.93-1.02 from 74 KB to 1.4 MB
 # repeated, 0.64 at 16 MB).
-SHARED_PROMPT_MIN_BYTES = {"sdpa": 512 << 10, "native": 0}  # by `attention_kernel`
+SHARED_PROMPT_MIN_BYTES = {"torch": 512 << 10, "native": 0}  # by `decode_kernel`
 
 
 class StaticDecoder:
@@ -155,14 +158,16 @@ class StaticDecoder:
     the products accumulate in float32 and the softmax runs in float32 (tandem's C kernel, SDPA's CPU kernel, or the
     split path's explicit `.float()`); its output returns to the model's dtype.
 
-    `kernel` (`attention_kernel`'s choice): `native` runs both layouts' attention in tandem's C kernel (the shared
-    prompt as a segment read by each of its group's rows, one after another, from cache), `sdpa` as above.
+    `kernel` (`decode_kernel`'s choice): `native` runs the whole step in one C call (`native.DecodeStep`; where
+    PyTorch exposes no BLAS to call, PyTorch ops around the C attention), both layouts' attention in tandem's C
+    kernel (the shared prompt as a segment read by each of its group's rows, one after another, from cache);
+    `torch` runs PyTorch ops and SDPA as above.
     """
 
     def __init__(self, model, cache, n: int, max_new: int, prompt_mask: torch.Tensor,
-                 kv_dtype: torch.dtype | None = None, kernel: str = "sdpa"):
+                 kv_dtype: torch.dtype | None = None, kernel: str = "torch", fused: list[tuple] | None = None):
         self.model = model
-        self.native, self.attention = kernel == "native", _KERNELS[kernel]  # `attention_kernel`'s choice
+        self.native, self.attention = kernel == "native", _KERNELS[kernel]  # `decode_kernel`'s choice
         self.layers = model.model.layers
         a = self.layers[0].self_attn
         self.head_dim, self.scaling = a.head_dim, a.scaling
@@ -189,7 +194,7 @@ class StaticDecoder:
                 v[:, :, :P] = v0.repeat_interleave(n, dim=0)
             self.k.append(k)
             self.v.append(v)
-        self.w = fused_layers(model)
+        self.w = fused if fused is not None else fused_layers(model)
         self.rotary = rotary_tables(model, int(prompt_mask.sum(-1).max()) + max_new)
         if self.shared and self.native:  # the prompt positions each group's rows see (not its left padding)
             self.prompt_seen = prompt_mask.bool().contiguous()
@@ -200,11 +205,19 @@ class StaticDecoder:
             self.mask = torch.ones((U * n, own), dtype=torch.bool, device=p.device)
             self.mask[:, :P] = prompt_mask.bool().repeat_interleave(n, dim=0)
         self.generated = 0
+        self.whole_step = _whole_step(self.native, model, self.w, self.rotary, self.k, self.v,
+                                      (self.prompt_k, self.prompt_v, self.prompt_seen)
+                                      if self.shared and self.native else None)
+        self.row_slots = torch.empty(U * n, dtype=torch.long, device=p.device)  # the whole step's: each row's slot
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] of the next token after feeding `tokens` [B] at `positions` [B] (B = U * n rows, the n rows
         of each prompt next to each other)."""
         slot = self.generated if self.shared else self.prompt_len + self.generated  # this token's cache slot
+        if self.whole_step is not None:
+            self.generated += 1
+            return self.whole_step(tokens, positions, self.row_slots.fill_(slot), slot + 1,
+                                   None if self.shared else self.mask)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k[i], self.v[i]
@@ -243,8 +256,18 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Te
                                           scale=scale, enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
 
 
-# `attention_kernel`'s names: each row's query against its own cached keys, (q, k, v, seen, scale) -> [B, H, D]
-_KERNELS = {"native": native.decode_attention, "sdpa": _attention}
+# `decode_kernel`'s names: each row's query against its own cached keys, (q, k, v, seen, scale) -> [B, H, D]
+_KERNELS = {"native": native.decode_attention, "torch": _attention}
+
+
+def _whole_step(native_kernel: bool, model, fused, rotary, k, v, prompt=None) -> native.DecodeStep | None:
+    """The decode step in one C call for `decode_kernel` native, where PyTorch's BLAS can be called from C; else
+    None (the step runs PyTorch ops, attention in `_KERNELS`)."""
+    if not native_kernel:
+        return None
+    if native.sgemm()[0] is None:
+        return None
+    return native.DecodeStep(model, fused, rotary, k, v, prompt)
 
 
 def decode_layers(model, fused: list[tuple], rotary: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor,
@@ -268,6 +291,33 @@ def decode_layers(model, fused: list[tuple], rotary: tuple[torch.Tensor, torch.T
     return F.linear(_rms_norm(x, model.model.norm), model.lm_head.weight)
 
 
+def prefill(model, fused: list[tuple], ids: torch.Tensor, attn: torch.Tensor,
+            positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Left-padded prompts `ids` [U, P] (`attn` their mask, `positions` their rotary positions) through every layer
+    at once, the HF forward's math without its module machinery (`fused`: `fused_layers(model)`): the last
+    position's logits [U, V] and each layer's keys and values [U, KV, P, D], as `StaticDecoder` takes them."""
+    cfg, at = model.config, model.model.layers[0].self_attn
+    (U, P), H, KV, D = ids.shape, cfg.num_attention_heads, cfg.num_key_value_heads, at.head_dim
+    I = fused[0][6].shape[0] // 2
+    cos, signed_sin = (t[positions].view(U * P, 1, D) for t in rotary_tables(model, int(positions.max()) + 1))
+    # causal and not padding; a padding position also sees itself, so that no row is all masked (SDPA's NaN there
+    # would be stored as its key and value; masked out of every later read, but a NaN all the same)
+    seen = torch.ones((P, P), dtype=torch.bool, device=ids.device).tril() & attn.bool()[:, None, :]
+    seen |= torch.eye(P, dtype=torch.bool, device=ids.device)
+    x, kv = model.model.embed_tokens(ids), []  # [U, P, hidden]
+    for n1, w_qkv, b_qkv, w_o, b_o, n2, w_gu, b_gu, w_d, b_d in fused:
+        qkv = F.linear(_rms_norm(x, n1), w_qkv, b_qkv).view(U * P, H + 2 * KV, D)
+        qk = _rotate(qkv[:, : H + KV], cos, signed_sin).view(U, P, H + KV, D).transpose(1, 2)
+        k, v = qk[:, H:], qkv[:, H + KV:].view(U, P, KV, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qk[:, :H], k, v, attn_mask=seen[:, None], scale=at.scaling,
+                                           enable_gqa=H != KV)
+        x = x + F.linear(o.transpose(1, 2).reshape(U, P, H * D), w_o, b_o)
+        gu = F.linear(_rms_norm(x, n2), w_gu, b_gu)
+        x = x + F.linear(F.silu(gu[..., :I]) * gu[..., I:], w_d, b_d)
+        kv.append((k, v))
+    return F.linear(_rms_norm(x[:, -1], model.model.norm), model.lm_head.weight), kv
+
+
 FILL_PADDING = 1.25  # SlotDecoder.fill: the most padded positions a prefill batch may run per real one
 
 
@@ -277,14 +327,14 @@ class SlotDecoder:
     between any two steps while the others decode. Rows are kept in slots 0..len(rows)-1 (a leaving row's slot
     takes the last row's), so a step reads the caches as one slice, no gather.
 
-    The same layer math as `StaticDecoder` (`decode_layers`); attention is one SDPA call over each row's own
-    positions. After the model's weights change, `refresh` re-fuses them; the rows' keys and values are then stale,
+    The same layer math as `StaticDecoder` (`decode_layers`, or with `kernel` native the whole step in one C call);
+    attention is one call (SDPA's or the kernel's) over each row's own positions. After the model's weights change, `refresh` re-fuses them; the rows' keys and values are then stale,
     and the caller prefills them again (`fill`) if it wants them exact."""
 
     def __init__(self, model, slots: int, capacity: int, kv_dtype: torch.dtype | None = None,
-                 kernel: str = "sdpa"):
+                 kernel: str = "torch"):
         self.model, self.slots, self.capacity = model, slots, capacity
-        self.attention = _KERNELS[kernel]  # `attention_kernel`'s choice
+        self.native, self.attention = kernel == "native", _KERNELS[kernel]  # `decode_kernel`'s choice
         a, p = model.model.layers[0].self_attn, next(model.parameters())
         self.scaling = a.scaling
         shape = (slots, model.config.num_key_value_heads, capacity, a.head_dim)
@@ -293,12 +343,13 @@ class SlotDecoder:
         self.v = [torch.zeros(shape, dtype=self.kv_dtype, device=p.device) for _ in model.model.layers]
         self.length = torch.zeros(slots, dtype=torch.long, device=p.device)  # positions held by each slot
         self.rows: list = []  # the key of the row in each slot
-        self.w = fused_layers(model)
         self.rotary = rotary_tables(model, capacity)
+        self.refresh()
 
     def refresh(self) -> None:
         """The model's weights changed: decode with the new ones (the rows' caches still hold the old ones')."""
         self.w = fused_layers(self.model)
+        self.whole_step = _whole_step(self.native, self.model, self.w, self.rotary, self.k, self.v)
 
     def fill(self, keys: list, prefixes: list[list[int]]) -> torch.Tensor:
         """New rows `keys` with these prefixes (prompt and any tokens already sampled), prefilled by the HF forward;
@@ -370,6 +421,10 @@ class SlotDecoder:
             raise RuntimeError(f"a row reached the stream's {self.capacity} positions")
         upto = int(pos.max()) + 1
         seen = torch.arange(upto, device=pos.device)[None, :] <= pos[:, None]  # [b, upto]: each row's own positions
+        if self.whole_step is not None:
+            logits = self.whole_step(tokens, pos, pos, upto, seen)
+            self.length[:b] += 1
+            return logits
         rows = torch.arange(b, device=pos.device)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -456,6 +511,8 @@ def _by_row(t: torch.Tensor, U: int, n: int) -> torch.Tensor:
 
 
 def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(cache, list):  # `prefill`'s
+        return cache[i]
     layers = getattr(cache, "layers", None)
     if layers is not None:
         return layers[i].keys, layers[i].values

@@ -1,12 +1,15 @@
-"""tandem's C kernels (decode attention, `kernels/decode_attention.c`): compiled with the machine's C compiler on
-first use, once per head shape, cached per source, compiler flags and processor, and called through ctypes.
+"""tandem's C kernels: the decode attention (`kernels/decode_attention.c`) and the whole decode step around it
+(`kernels/decode_step.c`, one library), compiled with the machine's C compiler on first use, once per head shape,
+cached per source, compiler flags and processor, and called through ctypes.
 
-Why C and ctypes rather than a PyTorch C++ extension: the kernel needs raw pointers and strides, nothing of ATen,
+Why C and ctypes rather than a PyTorch C++ extension: the kernels need raw pointers and strides, nothing of ATen,
 and a plain C file compiles in well under a second where a file that includes the ATen headers takes tens of
 seconds (every user's first run would pay it). Why compile on the user's machine: `-march=native` lets the
 compiler use every vector unit the processor has (AVX2, AVX-512, NEON) from one portable source; the cache key
 includes the processor's feature flags, so a home directory shared by unlike machines holds one build for each.
-No compiler, or a failed build, leaves PyTorch's SDPA in use (`rollout.attention_kernel`).
+The step's matrix products call the `sgemm_` inside PyTorch's own CPU library (`sgemm`), the routine its
+`torch.mm` calls, so the step adds no BLAS and runs the products at PyTorch's speed. No compiler, or a failed
+build, leaves PyTorch ops and SDPA in use (`rollout.decode_kernel`).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
+KERNELS = Path(__file__).parent / "kernels"
+SOURCE = KERNELS / "decode_step.c"  # includes decode_attention.c: one library holds both entry points
 # fast-math's reassociation only (the dot products' partial sums vectorize); no finite-math assumption, since
 # masked scores are -inf
 FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC",
@@ -87,9 +91,9 @@ def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
     if cc is None:
         return None, "no C compiler (set CC, or install gcc or clang)"
     flags = [*FLAGS, f"-DTANDEM_G={group}", f"-DTANDEM_C={head_dim // 8}"]
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), cc.encode(),
+    key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in sorted(KERNELS.glob("*.c"))), " ".join(flags).encode(), cc.encode(),
                                       _processor().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-g{group}-d{head_dim}-{key}.so"
+    target = _cache_dir() / f"decode-g{group}-d{head_dim}-{key}.so"
     if not target.exists():
         why = _build(cc, flags, target)
         if why:
@@ -101,6 +105,9 @@ def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
     fn = lib.tandem_decode_attention
     fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.tandem_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.tandem_decode_step.restype = ctypes.c_int
     return lib, ""
 
 
@@ -155,3 +162,99 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: to
     if rc:
         raise RuntimeError(f"native decode attention failed (code {rc}) on q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out
+
+
+@functools.cache
+def sgemm() -> tuple[int | None, str]:
+    """The address of the `sgemm_` (Fortran BLAS) that PyTorch's CPU matrix products call, and ""; or None and why
+    not (a PyTorch built without a BLAS that exports it)."""
+    folder = Path(torch.__file__).parent / "lib"
+    for lib in sorted(folder.glob("libtorch_cpu.*")):
+        try:
+            return ctypes.cast(ctypes.CDLL(str(lib)).sgemm_, ctypes.c_void_p).value, ""
+        except (OSError, AttributeError):
+            continue
+    return None, f"no sgemm_ in PyTorch's CPU library ({folder}): its matrix products use another BLAS"
+
+
+class _Layer(ctypes.Structure):  # layer_t in decode_step.c
+    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "w_qkv", "b_qkv", "w_o", "b_o", "norm2", "w_gu", "b_gu",
+                                                     "w_down", "b_down", "k", "v", "pk", "pv")]
+
+
+class _Decoder(ctypes.Structure):  # decoder_t in decode_step.c
+    _fields_ = [*((name, ctypes.c_int64) for name in ("B", "E", "H", "KV", "D", "I", "V", "Vin", "T", "layers", "S", "P",
+                                                      "n")),
+                ("spk", ctypes.c_int64 * 3), ("spv", ctypes.c_int64 * 3),
+                *((name, ctypes.c_void_p) for name in ("pseen", "embed", "norm", "head", "cos", "sin", "x", "h",
+                                                       "qkv", "att", "gu", "act", "y")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", ctypes.c_int), ("sgemm", ctypes.c_void_p),
+                ("layer", ctypes.POINTER(_Layer))]
+
+
+class DecodeStep:
+    """A lean decoder's whole decode step in one C call (`decode_step.c`), built from the model's fused layer
+    weights (`llama_decode.fused_layers`), its rotary tables (`llama_decode.rotary_tables`) and the decoder's
+    caches, which it writes in place: the own caches k, v [B, KV, S, D] (contiguous), and with `prompt` = (keys,
+    values, seen) per layer a group's prompt held once. Holds every tensor whose address it passes, so none is
+    freed while it lives; build it again after the weights change (`fused_layers` may hold copies)."""
+
+    def __init__(self, model, fused: list[tuple], rotary: tuple[torch.Tensor, torch.Tensor], k: list[torch.Tensor],
+                 v: list[torch.Tensor], prompt: tuple | None = None):
+        cfg, attn = model.config, model.model.layers[0].self_attn
+        B, KV, S, D = k[0].shape
+        H, E, I = cfg.num_attention_heads, cfg.hidden_size, fused[0][6].shape[0] // 2
+        self.lib, why = library(H // KV, D)
+        address, why_not = sgemm()
+        if self.lib is None or address is None:
+            raise RuntimeError(f"native decode step is not available: {why or why_not}")
+        if any(not (t.is_contiguous() and t.dtype == k[0].dtype) for t in (*k, *v)):
+            raise ValueError("native decode step: the own caches must be contiguous, of one dtype (written in place)")
+        self._keep: list[torch.Tensor] = []
+        pk, pv, pseen = prompt if prompt is not None else ([None] * len(k), [None] * len(k), None)
+        if prompt is not None:  # read in place with the strides of layer 0's, which must hold for every layer
+            pk, pv = [t.contiguous() for t in pk], [t.contiguous() for t in pv]
+        layers = (_Layer * len(fused))(*(
+            _Layer(*map(self._address, (n1.weight, w_qkv, b_qkv, w_o, b_o, n2.weight, w_gu, b_gu, w_d, b_d, kc, vc,
+                                        pkc, pvc)))
+            for (n1, w_qkv, b_qkv, w_o, b_o, n2, w_gu, b_gu, w_d, b_d), kc, vc, pkc, pvc in zip(fused, k, v, pk, pv)))
+        work = [torch.empty((B, w), dtype=torch.float32) for w in (E, E, (H + 2 * KV) * D, H * D, 2 * I, I, E)]
+        strides = (lambda t: (ctypes.c_int64 * 3)(*(t.stride()[:3] if t is not None else (0, 0, 0))))
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        self.vocab = head.shape[0]
+        self.decoder = _Decoder(
+            B, E, H, KV, D, I, self.vocab, embed.shape[0], rotary[0].shape[0], len(fused), S,
+            pk[0].shape[2] if prompt is not None else 0, B // pk[0].shape[0] if prompt is not None else 1,
+            strides(pk[0]), strides(pv[0]), *map(self._address, (pseen, embed, model.model.norm.weight, head,
+                                                                 *rotary, *work)),
+            model.model.norm.variance_epsilon, attn.scaling, int(k[0].dtype == torch.bfloat16), address, layers)
+        self._layers = layers  # the decoder's pointer to them does not keep them alive
+
+    def _address(self, t: torch.Tensor | None) -> int | None:
+        """The address of `t` (contiguous, made so if need be), kept alive with this step."""
+        if t is None:
+            return None
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.bool) or t.device.type != "cpu":
+            raise ValueError(f"native decode step: a {t.dtype} tensor on {t.device}")
+        t = t.contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, length: int,
+                 seen: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [rows, V] after feeding `tokens` [rows] at rotary `positions` [rows], row r's key and value stored
+        at its own slot `slots[r]` (all int64), attention over its own slots 0..length-1 where `seen` [rows, >=
+        length] (bool, None: all) allows."""
+        if any(t.dtype != torch.long for t in (tokens, positions, slots)):
+            raise ValueError("native decode step: tokens, positions and slots must be int64")
+        if seen is not None and (seen.dtype != torch.bool or seen.stride(1) != 1):
+            raise ValueError("native decode step: seen must be a bool mask with a contiguous last dim")
+        tokens, positions, slots = tokens.contiguous(), positions.contiguous(), slots.contiguous()
+        logits = torch.empty((len(tokens), self.vocab), dtype=torch.float32)
+        rc = self.lib.tandem_decode_step(
+            ctypes.addressof(self.decoder), len(tokens), tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            length, None if seen is None else seen.data_ptr(), 0 if seen is None else seen.stride(0),
+            logits.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"native decode step failed (code {rc}: {'an argument out of range' if rc == 4 else 'a shape out of range' if rc in (2, 3) else 'out of memory'})")
+        return logits

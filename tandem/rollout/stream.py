@@ -66,7 +66,7 @@ class HFStream:
         self.engine, self.sampling = engine, sampling
         with torch.inference_mode():  # its caches are written only in inference mode (every method here)
             self.decoder = llama_decode.SlotDecoder(engine.model, slots, capacity, engine.kv_dtype,
-                                                   engine.attention_kernel)
+                                                   engine.decode_kernel)
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
         self.gens: dict[Hashable, torch.Generator] = {}

@@ -100,8 +100,8 @@ def test_bad_value_names_field_and_value():
      r"parallelism for the experts"),
     (["rollout.engine=vllm", "rollout.kv_cache_dtype=bfloat16"], r"rollout\.kv_cache_dtype: bfloat16 is the hf "
      r"engine's; vLLM's KV cache follows the model's dtype"),
-    (["rollout.engine=vllm", "rollout.attention_kernel=native"], r"rollout\.attention_kernel: native is the hf "
-     r"engine's; vLLM picks its own attention backend"),
+    (["rollout.engine=vllm", "rollout.decode_kernel=native"], r"rollout\.decode_kernel: native is the hf "
+     r"engine's; vLLM runs its own kernels"),
 ])
 def test_impossible_arithmetic_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -120,17 +120,17 @@ def test_a_build_for_one_head_shape_refuses_another():
                                        seen.data_ptr(), dims, 0, 0.125, 1) == 3
 
 
-def test_a_failed_build_leaves_sdpa_and_native_raises(tiny_model, tmp_path, monkeypatch, caplog):
+def test_a_failed_build_leaves_torch_and_native_raises(tiny_model, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     native.library.cache_clear()
     try:
         lib, why = native.library(2, 8)
         assert lib is None and "no-such-compiler" in why
-        assert HFEngine(str(tiny_model), seed=0).attention_kernel == "sdpa"
-        assert "PyTorch SDPA" in caplog.text and "no-such-compiler" in caplog.text
-        with pytest.raises(RuntimeError, match="attention_kernel=native"):
-            HFEngine(str(tiny_model), seed=0, attention_kernel="native")
+        assert HFEngine(str(tiny_model), seed=0).decode_kernel == "torch"
+        assert "PyTorch ops and SDPA" in caplog.text and "no-such-compiler" in caplog.text
+        with pytest.raises(RuntimeError, match="decode_kernel=native"):
+            HFEngine(str(tiny_model), seed=0, decode_kernel="native")
     finally:
         native.library.cache_clear()
 
@@ -142,7 +142,7 @@ def test_a_fresh_cache_builds_one_library(tmp_path, monkeypatch):
         lib, why = native.library(2, 64)
         assert lib is not None, why
         built = [p.name for p in tmp_path.iterdir()]
-        assert len(built) == 1 and built[0].startswith("decode_attention-g2-d64-"), built  # no temporary left
+        assert len(built) == 1 and built[0].startswith("decode-g2-d64-"), built  # no temporary left
     finally:
         native.library.cache_clear()
 
@@ -165,20 +165,110 @@ def test_a_compiler_without_openmp_or_march_native_still_builds_one(tmp_path, mo
         native.library.cache_clear()
 
 
+@pytest.mark.parametrize("whole_step", [True, False], ids=["whole step in C", "C attention in torch ops"])
 @pytest.mark.parametrize("shared", [False, True], ids=["prompt per row", "prompt shared"])
-def test_the_engine_samples_alike_with_either_kernel(tiny_model, shared, monkeypatch):
-    """auto picks the C kernel where it builds; the tokens and logprobs match SDPA's (float rounding apart), with
-    the prompt in each row's cache and held once per group (the threshold lowered to reach it)."""
+def test_the_engine_samples_alike_with_either_kernel(tiny_model, shared, whole_step, monkeypatch):
+    """auto picks the C kernel where it builds: the whole step in one C call, or, where PyTorch's BLAS cannot be
+    called from C, PyTorch ops around the C attention; the tokens and logprobs match the torch kernel's (float
+    rounding apart), with the prompt in each row's cache and held once per group (the threshold lowered to reach
+    it)."""
     from tandem.rollout import Sampling
 
     for kernel in llama_decode.SHARED_PROMPT_MIN_BYTES:
         monkeypatch.setitem(llama_decode.SHARED_PROMPT_MIN_BYTES, kernel, 1 if shared else 1 << 62)
+    if not whole_step:
+        monkeypatch.setattr(native, "sgemm", lambda: (None, "no BLAS here"))
+    calls = []
+    step = native.DecodeStep.__call__
+    monkeypatch.setattr(native.DecodeStep, "__call__", lambda self, *a: calls.append(1) or step(self, *a))
 
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     s = Sampling(n=3, temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=5)
-    auto, sdpa = HFEngine(str(tiny_model), seed=0), HFEngine(str(tiny_model), seed=0, attention_kernel="sdpa")
-    assert (auto.attention_kernel, sdpa.attention_kernel) == ("native", "sdpa")
-    a, b = auto.generate(prompts, s), sdpa.generate(prompts, s)
+    auto, ops = HFEngine(str(tiny_model), seed=0), HFEngine(str(tiny_model), seed=0, decode_kernel="torch")
+    assert (auto.decode_kernel, ops.decode_kernel) == ("native", "torch")
+    a = auto.generate(prompts, s)
+    assert len(calls) == (7 if whole_step else 0)  # 8 tokens: the first from the prefill
+    b = ops.generate(prompts, s)
+    assert len(calls) == (7 if whole_step else 0)
     assert [c.completion_ids for c in a] == [c.completion_ids for c in b]
     for x, y in zip(a, b):
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+
+
+def random_decoder_model(arch: str):
+    """A small Llama-family model with every weight random, biases and norms included (a fresh model's biases are
+    zero, which would hide a bias the step drops): Qwen2 (q/k/v biases, tied head) or Llama (biases on every
+    projection, its own head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=61, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, max_position_embeddings=64)
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False, attention_bias=True, mlp_bias=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2).add_(1.0 if p.ndim == 1 and p.shape[0] == 64 else 0.0)  # norms near 1
+    return model.eval()
+
+
+def prefilled(model, prompts: list[list[int]]):
+    """The HF prefill of left-padded prompts, as the engine runs it: (cache, attention mask, next positions)."""
+    from transformers import DynamicCache
+
+    P = max(map(len, prompts))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+    return cache, attn, pos[:, -1] + 1
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [False, True], ids=["prompt per row", "prompt shared"])
+@torch.inference_mode()
+def test_the_whole_step_in_c_equals_the_step_in_torch_ops(arch, kv_dtype, shared, monkeypatch):
+    """native.DecodeStep against decode_layers in PyTorch ops around the same C attention (which the HF-forward
+    tests hold to the model), step after step on the same tokens: logits to float rounding, the same keys and
+    values written to the caches."""
+    model = random_decoder_model(arch)
+    llama_decode.fuse_parameters(model)
+    for kernel in llama_decode.SHARED_PROMPT_MIN_BYTES:
+        monkeypatch.setitem(llama_decode.SHARED_PROMPT_MIN_BYTES, kernel, 1 if shared else 1 << 62)
+    n, prompts = 3, [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    cache, attn, nxt = prefilled(model, prompts)
+    c_step = llama_decode.StaticDecoder(model, cache, n, 6, attn, kv_dtype, "native")
+    with monkeypatch.context() as m:
+        m.setattr(native, "sgemm", lambda: (None, "no BLAS here"))
+        ops = llama_decode.StaticDecoder(model, cache, n, 6, attn, kv_dtype, "native")
+    assert c_step.whole_step is not None and ops.whole_step is None and c_step.shared == ops.shared == shared
+    positions, g = nxt.repeat_interleave(n), torch.Generator().manual_seed(1)
+    for _ in range(6):
+        tokens = torch.randint(0, 61, (len(positions),), generator=g)
+        a, b = c_step.step(tokens, positions), ops.step(tokens, positions)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+        positions = positions + 1
+    for mine, theirs in zip(c_step.k + c_step.v, ops.k + ops.v):
+        written = slice(mine.shape[2] - 6, None)  # the generated slots (the prompt's were copied by both)
+        assert torch.allclose(mine[:, :, written].float(), theirs[:, :, written].float(), atol=1e-5, rtol=1e-2)
+
+
+@torch.inference_mode()
+def test_the_whole_step_refuses_arguments_out_of_range():
+    model = random_decoder_model("qwen2")
+    cache, attn, nxt = prefilled(model, [[5, 6, 7]])
+    dec = llama_decode.StaticDecoder(model, cache, 2, 4, attn, torch.float32, "native")
+    step, pos = dec.whole_step, nxt.repeat_interleave(2)
+    assert dec.shared  # the kernel's layout: 4 own slots per row, after the prompt held once
+    for tokens, slots, length in (([3, 61], [0, 0], 1), ([3, 4], [1, 1], 1), ([3, 4], [0, 0], 5)):  # token, slot, length
+        with pytest.raises(RuntimeError, match="out of range"):
+            step(torch.tensor(tokens), pos, torch.tensor(slots), length)
+    with pytest.raises(RuntimeError, match="out of range"):  # a rotary position past the table
+        step(torch.tensor([3, 4]), pos + 1000, torch.tensor([0, 0]), 1)
+    with pytest.raises(ValueError, match="int64"):
+        step(torch.tensor([3, 4], dtype=torch.int32), pos, torch.tensor([0, 0]), 1)
+    assert step(torch.tensor([3, 4]), pos, torch.tensor([0, 0]), 1).shape == (2, 61)

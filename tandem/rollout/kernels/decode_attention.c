@@ -204,11 +204,33 @@ static int run_part(const job_t *a, int64_t begin, int64_t end) {
   return 0;
 }
 
+/* Checks a job's shapes and runs it, split over up to `threads` threads when there is enough work: 0, or nonzero
+   where a shape is out of range or memory ran out (out is then not fully written). */
+static int run_job(const job_t *job, int threads) {
+  const int64_t B = job->B, H = job->H, KV = job->KV, D = job->D, n = job->seg[0].group;
+#ifdef TANDEM_G
+  if (KV <= 0 || H != TANDEM_G * KV || D != 8 * TANDEM_C) return 3; /* built for another head shape */
+#endif
+  if (KV <= 0 || H % KV || H / KV > MAXG || D % 8 || D > MAXD || n <= 0 || B % n || job->seg[1].group != 1 ||
+      job->seg[0].L < 0 || job->seg[1].L < 0 || job->seg[0].L + job->seg[1].L <= 0)
+    return 2;
+  const int64_t items = B * KV, bytes = items * (job->seg[0].L / n + job->seg[1].L) * D * (job->bf16 ? 2 : 4) * 2;
+  int parts_n = threads < 1 ? 1 : threads > 64 ? 64 : threads;
+  if (bytes < ((int64_t)1 << 20)) parts_n = 1; /* under ~1 MB, too little to split */
+  if (parts_n > items / n) parts_n = (int)(items / n);
+  /* split on group boundaries, so that a group's rows stay on one thread and read its prompt from one cache; the
+     threads are OpenMP's, PyTorch's own pool where its libgomp is loaded (the same soname), so no thread is started
+     and none spins against torch's */
+  const int64_t groups = items / n;
+  int status = 0;
+#pragma omp parallel for num_threads(parts_n) schedule(static) reduction(| : status)
+  for (int t = 0; t < parts_n; ++t) status |= run_part(job, groups * t / parts_n * n, groups * (t + 1) / parts_n * n);
+  return status;
+}
+
 /* dims: B, H, KV, D, q's strides (row, head), out's (row, head), then for the shared prompt segment and the rows'
    own segment each: L, group, k's strides (row, head, position), v's, seen's row stride. A segment of L = 0 is
-   skipped (no prompt held apart: pass L = 0 and group = 1). Returns 0, or nonzero where a shape is out of range or
-   memory ran out (out is then not fully written). Work is split over up to `threads` threads when there is enough
-   of it. */
+   skipped (no prompt held apart: pass L = 0 and group = 1). Returns `run_job`'s code. */
 int tandem_decode_attention(const float *q, float *out, const void *pk, const void *pv, const uint8_t *pseen,
                             const void *k, const void *v, const uint8_t *seen, const int64_t *dims, int bf16,
                             float scale, int threads) {
@@ -220,23 +242,5 @@ int tandem_decode_attention(const float *q, float *out, const void *pk, const vo
     sg->L = d[0], sg->group = d[1], sg->skb = d[2], sg->skh = d[3], sg->skl = d[4], sg->svb = d[5], sg->svh = d[6];
     sg->svl = d[7], sg->smb = d[8];
   }
-  const int64_t B = job.B, H = job.H, KV = job.KV, D = job.D, n = job.seg[0].group;
-#ifdef TANDEM_G
-  if (KV <= 0 || H != TANDEM_G * KV || D != 8 * TANDEM_C) return 3; /* built for another head shape */
-#endif
-  if (KV <= 0 || H % KV || H / KV > MAXG || D % 8 || D > MAXD || n <= 0 || B % n || job.seg[1].group != 1 ||
-      job.seg[0].L < 0 || job.seg[1].L < 0 || job.seg[0].L + job.seg[1].L <= 0)
-    return 2;
-  const int64_t items = B * KV, bytes = items * (job.seg[0].L / n + job.seg[1].L) * D * (bf16 ? 2 : 4) * 2;
-  int parts_n = threads < 1 ? 1 : threads > 64 ? 64 : threads;
-  if (bytes < ((int64_t)1 << 20)) parts_n = 1; /* under ~1 MB, too little to split */
-  if (parts_n > items / n) parts_n = (int)(items / n);
-  /* split on group boundaries, so that a group's rows stay on one thread and read its prompt from one cache; the
-     threads are OpenMP's, PyTorch's own pool where its libgomp is loaded (the same soname), so no thread is started
-     and none spins against torch's */
-  const int64_t groups = items / n;
-  int status = 0;
-#pragma omp parallel for num_threads(parts_n) schedule(static) reduction(| : status)
-  for (int t = 0; t < parts_n; ++t) status |= run_part(&job, groups * t / parts_n * n, groups * (t + 1) / parts_n * n);
-  return status;
+  return run_job(&job, threads);
 }
