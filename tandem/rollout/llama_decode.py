@@ -3,7 +3,8 @@ without its per-call module, mask and cache machinery, and with a preallocated K
 
 Why: on CPU a decode step of a small model is mostly Python overhead (the HF forward builds a 4-D mask, walks
 ~20 modules per layer and grows a DynamicCache by concatenation, copying the whole cache every step). Here a
-step is ~15 tensor ops per layer and the cache is written in place. The prefill still runs the HF forward.
+step is ~15 tensor ops per layer and the cache is written in place; `prefill` runs the prompts through the same
+weights at once (the HF forward's math without its module machinery).
 Numerics match the HF forward to float rounding (the same ops in the same order; attention by tandem's C kernel,
 `native.py`, or by SDPA, or, where a group's prompt is held once and the kernel is not in use, a float32 softmax
 over the prompt's and the row's own keys). With `decode_kernel` native the whole step is one C call
@@ -138,8 +139,9 @@ SHARED_PROMPT_MIN_BYTES = {"torch": 512 << 10, "native": 0}  # by `decode_kernel
 
 
 class StaticDecoder:
-    """Decodes `n` completions of each of `U` prompts from the prefill's cache (which ran each prompt once), each
-    row's generated keys and values written in place into a preallocated cache.
+    """Decodes `n` completions of each of `U` prompts from the prefill's cache (which ran each prompt once: an HF
+    cache, or `prefill`'s keys and values), each row's generated keys and values written in place into a
+    preallocated cache. `fused`: `fused_layers(model)` where the caller has them (the prefill's).
 
     A long prompt's keys and values are held once for its `n` rows, and attention is split in two (as cascade
     attention does): the rows' queries against their prompt's keys, computed for all `n` rows of a prompt in one
@@ -328,8 +330,9 @@ class SlotDecoder:
     takes the last row's), so a step reads the caches as one slice, no gather.
 
     The same layer math as `StaticDecoder` (`decode_layers`, or with `kernel` native the whole step in one C call);
-    attention is one call (SDPA's or the kernel's) over each row's own positions. After the model's weights change, `refresh` re-fuses them; the rows' keys and values are then stale,
-    and the caller prefills them again (`fill`) if it wants them exact."""
+    attention is one call (SDPA's or the kernel's) over each row's own positions. After the model's weights change,
+    `refresh` re-fuses them; the rows' keys and values are then stale, and the caller prefills them again (`fill`)
+    if it wants them exact."""
 
     def __init__(self, model, slots: int, capacity: int, kv_dtype: torch.dtype | None = None,
                  kernel: str = "torch"):

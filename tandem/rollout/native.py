@@ -85,13 +85,14 @@ def _build(cc: str, flags: list[str], target: Path) -> str | None:
 
 @functools.cache
 def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
-    """The kernel built for `group` query heads per KV head of `head_dim` dims, loaded, and ""; or None and why it
-    is not available (once per process and shape)."""
+    """The kernels (decode attention and step) built for `group` query heads per KV head of `head_dim` dims,
+    loaded, and ""; or None and why they are not available (once per process and shape)."""
     cc = _compiler()
     if cc is None:
         return None, "no C compiler (set CC, or install gcc or clang)"
     flags = [*FLAGS, f"-DTANDEM_G={group}", f"-DTANDEM_C={head_dim // 8}"]
-    key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in sorted(KERNELS.glob("*.c"))), " ".join(flags).encode(), cc.encode(),
+    sources = [f.read_bytes() for f in sorted(KERNELS.glob("*.c"))]
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), cc.encode(),
                                       _processor().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"decode-g{group}-d{head_dim}-{key}.so"
     if not target.exists():
@@ -183,8 +184,8 @@ class _Layer(ctypes.Structure):  # layer_t in decode_step.c
 
 
 class _Decoder(ctypes.Structure):  # decoder_t in decode_step.c
-    _fields_ = [*((name, ctypes.c_int64) for name in ("B", "E", "H", "KV", "D", "I", "V", "Vin", "T", "layers", "S", "P",
-                                                      "n")),
+    _fields_ = [*((name, ctypes.c_int64) for name in ("B", "E", "H", "KV", "D", "I", "V", "Vin", "T", "layers", "S",
+                                                      "P", "n")),
                 ("spk", ctypes.c_int64 * 3), ("spv", ctypes.c_int64 * 3),
                 *((name, ctypes.c_void_p) for name in ("pseen", "embed", "norm", "head", "cos", "sin", "x", "h",
                                                        "qkv", "att", "gu", "act", "y")),
@@ -256,5 +257,6 @@ class DecodeStep:
             length, None if seen is None else seen.data_ptr(), 0 if seen is None else seen.stride(0),
             logits.data_ptr(), torch.get_num_threads())
         if rc:
-            raise RuntimeError(f"native decode step failed (code {rc}: {'an argument out of range' if rc == 4 else 'a shape out of range' if rc in (2, 3) else 'out of memory'})")
+            why = {4: "an argument out of range", 2: "a shape out of range", 3: "a shape out of range"}.get(rc, "no memory")
+            raise RuntimeError(f"native decode step failed (code {rc}: {why})")
         return logits

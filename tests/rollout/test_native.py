@@ -264,7 +264,7 @@ def test_the_whole_step_refuses_arguments_out_of_range():
     dec = llama_decode.StaticDecoder(model, cache, 2, 4, attn, torch.float32, "native")
     step, pos = dec.whole_step, nxt.repeat_interleave(2)
     assert dec.shared  # the kernel's layout: 4 own slots per row, after the prompt held once
-    for tokens, slots, length in (([3, 61], [0, 0], 1), ([3, 4], [1, 1], 1), ([3, 4], [0, 0], 5)):  # token, slot, length
+    for tokens, slots, length in (([3, 61], [0, 0], 1), ([3, 4], [1, 1], 1), ([3, 4], [0, 0], 5)):  # token, slot, L
         with pytest.raises(RuntimeError, match="out of range"):
             step(torch.tensor(tokens), pos, torch.tensor(slots), length)
     with pytest.raises(RuntimeError, match="out of range"):  # a rotary position past the table

@@ -5,7 +5,7 @@
    matrix-vector product per row and head and reads about a third of the memory bandwidth; with a bf16 cache and
    no native bf16 it is slower still. Here each KV head's keys and values are read once for all the query heads
    that share them (GQA), a block of positions at a time with independent accumulators, bf16 widened to float32 by
-   a shift as it is loaded.
+   a shift as it is loaded. decode_step.c includes this file (the whole decode step around the attention).
 
    Layout: q [B, H, D], out [B, H, D] (last dim contiguous), k and v [B, KV, L, D] with any strides but a
    contiguous last dim, seen [B, L] (nonzero: the row attends to that position). H = G * KV, query head h reads KV
@@ -46,10 +46,11 @@ typedef struct {
   float scale;
 } job_t;
 
-/* e^x for x <= 0 (a softmax after its max is subtracted), branch-free so the loop vectorizes: x = n ln2 + r with
-   |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error under 2e-7), 2^n from the exponent bits. */
-static inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
+/* e^x for x clamped to [-87, 88] (a softmax's x <= 0 after its max is subtracted; SiLU's in decode_step.c),
+   branch-free so the loop vectorizes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+   (relative error under 2e-7), 2^n from the exponent bits (n in -126..127: a normal float). */
+static inline float exp_clamped(float x) {
+  x = x > 88.f ? 88.f : x < -87.f ? -87.f : x;
   const float n = floorf(x * 1.44269504f + 0.5f);
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.f / 720.f;
@@ -80,11 +81,16 @@ static inline v8 load8(const void *base, int64_t at, int bf16) {
 
 static inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
-/* A float rounded to bfloat16 (to nearest even) and back: the query as a bf16 cache's SDPA would read it. */
-static inline float round_bf16(float x) {
+static inline uint16_t to_bf16(float x) { /* to nearest even, as torch's .to(torch.bfloat16) */
   uint32_t u;
   memcpy(&u, &x, 4);
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* A float rounded to bfloat16 and back: the query as a bf16 cache's SDPA would read it. */
+static inline float round_bf16(float x) {
+  const uint32_t u = (uint32_t)to_bf16(x) << 16;
   memcpy(&x, &u, 4);
   return x;
 }
@@ -162,7 +168,7 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int64_t
     float total = 0.f;
     for (int64_t m = 0; m < Lt; ++m) {
       const float t = s[j * Lt + m];
-      const float e = t == -INFINITY ? 0.f : exp_nonpositive(t - mx[j]);
+      const float e = t == -INFINITY ? 0.f : exp_clamped(t - mx[j]);
       s[j * Lt + m] = e;
       total += e;
     }

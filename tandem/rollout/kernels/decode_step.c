@@ -1,7 +1,8 @@
 /* One decode step of a Llama-family model (Qwen2, Llama) on CPU in one call: every layer's RMS norms, rotary,
    cache writes, attention (decode_attention.c), SiLU gate and residual adds in C, its matrix products by the BLAS
    that PyTorch links (its `sgemm_`, passed in as a pointer: the routine torch.mm calls, so the products are
-   PyTorch's). Built and loaded by tandem/rollout/native.py, with decode_attention.c in the same library.
+   PyTorch's). Built and loaded by tandem/rollout/native.py; it includes decode_attention.c, so one library holds
+   both entry points.
 
    Why: a decode step of a few rows is ~15 small tensor ops per layer between 4 matrix products, each op a few
    microseconds of dispatch for well under a microsecond of arithmetic; here they are loops over the rows, and the
@@ -57,31 +58,6 @@ static void rms_norm(const float *x, const float *w, float eps, float *out, int6
     const float inv = 1.f / sqrtf(ss / (float)E + eps);
     for (int64_t i = 0; i < E; ++i) out[r * E + i] = xr[i] * inv * w[i];
   }
-}
-
-/* e^x, x clamped to [-87, 88] (SiLU's range of use): exp_nonpositive's polynomial, which holds for n up to 127. */
-static inline float exp_clamped(float x) {
-  x = x > 88.f ? 88.f : x < -87.f ? -87.f : x;
-  const float n = floorf(x * 1.44269504f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float two_n;
-  memcpy(&two_n, &bits, 4);
-  return p * two_n;
-}
-
-static inline uint16_t to_bf16(float x) { /* to nearest even, as torch's .to(torch.bfloat16) */
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* Rotary on row r's query and key heads in place (x cos + swap_halves(x) signed_sin, the lean decoder's form),
