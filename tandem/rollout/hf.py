@@ -85,9 +85,9 @@ class HFEngine:
             log.warning("rollout.kv_cache_dtype=%s and decode_kernel=%s apply to the lean decoder (Llama-family "
                         "models on CPU); this model decodes with the HF forward, its cache in the model's dtype",
                         kv_cache_dtype, decode_kernel)
-        # the lean decoder's decode attention (rollout.decode_kernel): native (tandem's C kernel) or sdpa
+        # how the lean decoder runs a step (rollout.decode_kernel): native (tandem's C step) or torch (ops, SDPA)
         self.decode_kernel = (llama_decode.decode_kernel(decode_kernel, self.model, self.kv_dtype)
-                                 if llama_decode.supports(self.model) else "torch")
+                              if llama_decode.supports(self.model) else "torch")
         if llama_decode.decodes(self.model):  # q/k/v and gate/up as views of one tensor each: read with no copy
             llama_decode.fuse_parameters(self.model)
         self._params = dict(self.model.named_parameters())
