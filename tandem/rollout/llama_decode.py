@@ -265,9 +265,7 @@ _KERNELS = {"native": native.decode_attention, "torch": _attention}
 def _whole_step(native_kernel: bool, model, fused, rotary, k, v, prompt=None) -> native.DecodeStep | None:
     """The decode step in one C call for `decode_kernel` native, where PyTorch's BLAS can be called from C; else
     None (the step runs PyTorch ops, attention in `_KERNELS`)."""
-    if not native_kernel:
-        return None
-    if native.sgemm()[0] is None:
+    if not native_kernel or native.sgemm()[0] is None:
         return None
     return native.DecodeStep(model, fused, rotary, k, v, prompt)
 
@@ -288,9 +286,14 @@ def decode_layers(model, fused: list[tuple], rotary: tuple[torch.Tensor, torch.T
         qk = _rotate(qkv[:, : H + KV], cos, signed_sin)  # rotary on q and k heads together
         o = attend(i, qk[:, :H], qk[:, H:], qkv[:, H + KV:])
         x = x + F.linear(o.reshape(B, H * D), w_o, b_o)
-        gu = F.linear(_rms_norm(x, n2), w_gu, b_gu)
-        x = x + F.linear(F.silu(gu[:, :I]) * gu[:, I:], w_d, b_d)
+        x = x + _mlp(x, n2, w_gu, b_gu, w_d, b_d, I)
     return F.linear(_rms_norm(x, model.model.norm), model.lm_head.weight)
+
+
+def _mlp(x: torch.Tensor, norm, w_gu, b_gu, w_d, b_d, I: int) -> torch.Tensor:
+    """A layer's gated MLP on its normed input, the gate/up projections as one product (`fused_layers`)."""
+    gu = F.linear(_rms_norm(x, norm), w_gu, b_gu)
+    return F.linear(F.silu(gu[..., :I]) * gu[..., I:], w_d, b_d)
 
 
 def prefill(model, fused: list[tuple], ids: torch.Tensor, attn: torch.Tensor,
@@ -314,8 +317,7 @@ def prefill(model, fused: list[tuple], ids: torch.Tensor, attn: torch.Tensor,
         o = F.scaled_dot_product_attention(qk[:, :H], k, v, attn_mask=seen[:, None], scale=at.scaling,
                                            enable_gqa=H != KV)
         x = x + F.linear(o.transpose(1, 2).reshape(U, P, H * D), w_o, b_o)
-        gu = F.linear(_rms_norm(x, n2), w_gu, b_gu)
-        x = x + F.linear(F.silu(gu[..., :I]) * gu[..., I:], w_d, b_d)
+        x = x + _mlp(x, n2, w_gu, b_gu, w_d, b_d, I)
         kv.append((k, v))
     return F.linear(_rms_norm(x[:, -1], model.model.norm), model.lm_head.weight), kv
 
