@@ -1,6 +1,6 @@
 """Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--decode-kernel auto|native|sdpa|both]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--decode-kernel auto|native|torch|both]
 
 Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
 then tandem, each in a fresh child process (same process tree, same torch thread count), and prints one table:
@@ -10,12 +10,13 @@ tandem/TRL. Then each framework's per-phase seconds (TRL's as far as its methods
 as a share of its step, and each phase against two references measured in the same run: its floor share (the phase's
 FLOPs at the rated matmul rate) and its matrix products alone at the phase's own shapes (a decode step's rows, a
 micro-batch's tokens; `achievable_seconds`), which separates a framework's overhead from the machine's rate at that
-shape, and where each phase's time goes (matrix products, decode attention, the rest). `--engine vllm` samples
-tandem's rollouts with vLLM in its process (TRL keeps its HF generate); `--engine both` runs tandem with each
-engine in the same invocation, side by side; `--kv-cache-dtype both` runs the hf engine with a float32 and with a
-bfloat16 KV cache (`rollout.kv_cache_dtype`), each against its own attention alone; `--decode-kernel both` runs
-it with tandem's C decode step (its attention included) and with PyTorch ops and SDPA (`rollout.decode_kernel`;
-default auto, the C step where it builds), each against the same kernel's attention alone.
+shape, and where each phase's time goes (matrix products; attention: the rollout's decode attention, the
+training phases' causal attention; the rest). `--engine vllm` samples tandem's rollouts with vLLM in its process
+(TRL keeps its HF generate); `--engine both` runs tandem with each engine in the same invocation, side by side;
+`--kv-cache-dtype both` runs the hf engine with a float32 and with a bfloat16 KV cache (`rollout.kv_cache_dtype`),
+each against its own attention alone; `--decode-kernel both` runs it with tandem's C decode step (its attention
+included) and with PyTorch ops and SDPA (`rollout.decode_kernel`; default auto, the C step where it builds), each
+against the same kernel's attention alone.
 
 Workloads (both: KL 0.04 with the k3 estimator and a loaded reference model, token-mean loss (TRL's `dapo`),
 clip 0.2, fp32, no gradient checkpointing, no dropping of zero-variance groups, temperature 1, lr 1e-5):
@@ -188,6 +189,34 @@ def decode_attention_seconds(w: Workload, prompt_tokens: int, dtype: str = "floa
         for _ in range(w.layers):
             attend(c)
     return time.perf_counter() - start
+
+
+def training_attention_seconds(w: Workload, prompt_tokens: int, repeats: int = 3) -> dict[str, float]:
+    """The training phases' attention alone: causal SDPA on one micro-batch of `micro_rows` full sequences (the
+    kernel the HF forward calls on rows without padding), forward (logprobs) and forward and backward (update),
+    scaled to the layers and micro-batches. Like the decode attention, it is in neither the FLOP floor nor the
+    GEMMs: this is how much of a training phase beyond its products the attention alone explains."""
+    import torch
+    import torch.nn.functional as F
+
+    seq, head_dim = prompt_tokens + w.new_tokens, w.hidden // w.heads
+    q = torch.randn(w.micro_rows, w.heads, seq, head_dim, requires_grad=True)
+    k = torch.randn(w.micro_rows, w.kv_heads, seq, head_dim, requires_grad=True)
+    v = torch.randn(w.micro_rows, w.kv_heads, seq, head_dim, requires_grad=True)
+    grad = torch.ones(w.micro_rows, w.heads, seq, head_dim)
+
+    def once(backward: bool) -> float:
+        start = time.perf_counter()
+        with torch.set_grad_enabled(backward):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=w.heads != w.kv_heads)
+            if backward:
+                o.backward(grad)
+        return time.perf_counter() - start
+
+    per_pass = w.layers * w.completions / w.micro_rows
+    once(True)
+    return {"logprobs": per_pass * min(once(False) for _ in range(repeats)),
+            "update": per_pass * min(once(True) for _ in range(repeats))}
 
 
 def achievable_seconds(w: Workload, vocab: int, prompt_tokens: int) -> dict[str, float]:
@@ -455,7 +484,8 @@ def main() -> None:
             gemms = achievable_seconds(w, vocab_size(work / f"model-{name}"), plen)
             alone = {k: decode_attention_seconds(w, plen, *k) for k in set(kind.values())}
             attention = {label: alone[k] for label, k in kind.items()}
-            table.append((w, params, flops, steps, res, phases, gemms, attention))
+            table.append((w, params, flops, steps, res, phases, gemms, attention,
+                          training_attention_seconds(w, plen)))
 
     floor_note = f"floor = FLOPs / {rate:.1f} GFLOP/s"
     print(f"\nthreads={args.threads}; s/step = median of the measured steps after {args.warmup} warm-up; {floor_note}")
@@ -487,7 +517,7 @@ def main() -> None:
         " ".join(f"{fw + ' s':>11s} {'x floor':>7s} {'x GEMMs':>7s}" for fw in labels)
     print(head)
     print("-" * len(head))
-    for w, _, _, _, res, phases, gemms, _ in table:
+    for w, _, _, _, res, phases, gemms, *_ in table:
         for phase, fl in phases.items():
             floor, alone = fl / (rate * 1e9), gemms[phase]
             line = f"{w.name:9s} {phase:9s} {floor:8.3f} {alone:8.3f} {fl / alone / 1e9:9.1f} "
@@ -495,21 +525,25 @@ def main() -> None:
                 t = res[fw]["phases"][phase]
                 line += f"{t:11.3f} {t / floor:7.2f} {t / alone:7.2f} "
             print(line)
-    for w, *_, attention in table:
+    for w, *_, attention, _ in table:
         print(f"{w.name} rollout: its attention alone (one query per row, all layers and steps) takes, on top of "
               "its matrix products: " + "; ".join(f"{label} {a:.3f} s ({kind[label][1]}, {kind[label][0]} cache)"
                                                   for label, a in attention.items()))
-    print("\nwhere each phase's time goes: its matrix products alone, the rollout's decode attention alone (both "
-          "measured above), and the rest (overhead: dispatch, Python, sampling, copies), as shares of the phase")
+    for w, *_, trained in table:
+        print(f"{w.name} training: its attention alone (causal SDPA, every layer and micro-batch) takes "
+              + ", ".join(f"{phase} {a:.3f} s" for phase, a in trained.items()))
+    print("\nwhere each phase's time goes: its matrix products alone, its attention alone (the rollout's decode "
+          "attention, the training phases' causal attention: all measured above), and the rest (overhead: dispatch, "
+          "Python, sampling, copies, elementwise ops), as shares of the phase")
     head = f"{'workload':9s} {'phase':9s} " + " ".join(f"{fw + ' GEMM':>13s} {'attn':>5s} {'rest':>5s}" for fw in labels)
     print(head)
     print("-" * len(head))
-    for w, _, _, _, res, phases, gemms, attention in table:
+    for w, _, _, _, res, phases, gemms, attention, trained in table:
         for phase in phases:
             line = f"{w.name:9s} {phase:9s} "
             for fw in labels:
                 t = res[fw]["phases"][phase]
-                attn = attention[fw] if phase == "rollout" else 0.0
+                attn = attention[fw] if phase == "rollout" else trained[phase]
                 line += f"{gemms[phase] / t:13.2f} {attn / t:5.2f} {max(0.0, t - gemms[phase] - attn) / t:5.2f} "
             print(line)
     print(f"load average at end={os.getloadavg()}")

@@ -40,7 +40,7 @@ def _draw(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator])
     if sampling.temperature <= 0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
-    scaled = logits / sampling.temperature
+    scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits  # x / 1 is x: one op spared
     logp_all = torch.log_softmax(scaled, dim=-1)
     probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
     # torch.multinomial's own draw for one sample (argmax of probs / Exp(1) noise), written out: the same tokens
@@ -132,10 +132,10 @@ class HFEngine:
             most = int(limits.max())
             for drawn in range(1, most + 1):
                 tok, lp = _draw(logits.float(), sampling, gens)
-                tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
+                tok = tok.masked_fill_(finished, self.pad_id)
                 tokens.append(tok)
                 logps.append(lp)
-                lengths += (~finished).long()
+                lengths += ~finished
                 hit = torch.isin(tok, stop_ids) & ~finished
                 if sampling.stop:
                     hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts).to(dev)

@@ -357,7 +357,7 @@ class SlotDecoder:
         self.whole_step = _whole_step(self.native, self.model, self.w, self.rotary, self.k, self.v)
 
     def fill(self, keys: list, prefixes: list[list[int]]) -> torch.Tensor:
-        """New rows `keys` with these prefixes (prompt and any tokens already sampled), prefilled by the HF forward;
+        """New rows `keys` with these prefixes (prompt and any tokens already sampled), prefilled (`prefill`);
         logits [len(keys), V] of each one's next token. A key already held is prefilled again in its slot.
 
         Rows of like length are prefilled together (sorted by length, a batch closed where padding would pass
@@ -384,10 +384,8 @@ class SlotDecoder:
         return torch.stack(logits)
 
     def _prefill(self, where: list[int], prefixes: list[list[int]]) -> torch.Tensor:
-        """One HF forward of these prefixes (left-padded to the longest), their keys and values copied into slots
-        `where`; each one's next-token logits."""
-        from transformers import DynamicCache
-
+        """These prefixes (left-padded to the longest) through `prefill` with the decoder's weights, their keys and
+        values copied into slots `where`; each one's next-token logits."""
         lens = [len(x) for x in prefixes]
         P, dev = max(lens), self.length.device
         ids = torch.zeros((len(prefixes), P), dtype=torch.long)
@@ -395,16 +393,13 @@ class SlotDecoder:
         for i, x in enumerate(prefixes):
             ids[i, P - len(x):], attn[i, P - len(x):] = torch.tensor(x), 1
         ids, attn = ids.to(dev), attn.to(dev)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for layer in range(len(self.k)):
-            k0, v0 = _layer_kv(cache, layer)
+        logits, kv = prefill(self.model, self.w, ids, attn, (attn.cumsum(-1) - 1).clamp(min=0))
+        for kc, vc, (k0, v0) in zip(self.k, self.v, kv):
             for i, (slot, n) in enumerate(zip(where, lens)):
-                self.k[layer][slot, :, :n] = k0[i, :, P - n:]
-                self.v[layer][slot, :, :n] = v0[i, :, P - n:]
+                kc[slot, :, :n] = k0[i, :, P - n:]  # cast to the cache's dtype as it is written
+                vc[slot, :, :n] = v0[i, :, P - n:]
         self.length[where] = torch.tensor(lens, device=dev)
-        return out.logits[:, -1, :]
+        return logits
 
     def remove(self, key) -> None:
         """The row leaves; the last row moves into its slot."""
