@@ -95,15 +95,25 @@ static inline float round_bf16(float x) {
   return x;
 }
 
+/* Ask for the `bytes` at `p` to be brought into cache (L2), a line at a time: a read soon, not now. */
+static inline void prefetch(const void *p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)p + at, 0, 2);
+}
+
 /* Scores of row b's G query heads (q, scaled) against one segment's keys for KV head g, into s[j * stride + l]
-   (-inf where unseen); each head's running max in mx. */
+   (-inf where unseen); each head's running max in mx. The same positions' values are prefetched as their keys are
+   read, so that the value pass (`weigh`) reads them from cache: the two streams from memory overlap instead of
+   following one another (the attention is memory traffic; measured about 2x faster with both prefetches, see
+   docs/design-notes.md). */
 static inline __attribute__((always_inline)) void score(const segment_t *sg, int bf, int64_t b, int64_t g,
                                                         const int64_t G, const int64_t C, v8 (*q)[MAXD / 8],
                                                         float *s, int64_t stride, float *mx) {
-  const int64_t r = b / sg->group, L = sg->L, kb = r * sg->skb + g * sg->skh;
+  const int64_t r = b / sg->group, L = sg->L, kb = r * sg->skb + g * sg->skh, vb = r * sg->svb + g * sg->svh;
+  const int64_t es = bf ? 2 : 4, row = 8 * C * es; /* bytes of one position's key or value */
   const uint8_t *seen = sg->seen ? sg->seen + r * sg->smb : NULL;
   int64_t l = 0;
   for (; l + PB <= L; l += PB) {
+    for (int i = 0; i < PB; ++i) prefetch((const char *)sg->v + (vb + (l + i) * sg->svl) * es, row);
     v8 acc[MAXG][PB];
     for (int64_t j = 0; j < G; ++j)
       for (int i = 0; i < PB; ++i) acc[j][i] = (v8){0};
@@ -130,13 +140,17 @@ static inline __attribute__((always_inline)) void score(const segment_t *sg, int
     }
 }
 
-/* acc[j][0..cn) += the softmax weights p[j * stride + m] times one segment's values, chunks c0.. of the head. */
+/* acc[j][0..cn) += the softmax weights p[j * stride + m] times one segment's values, chunks c0.. of the head.
+   `ahead` (or NULL): the keys the next item will score in this segment, `row` bytes a position, position m's
+   prefetched with value m, so that its key pass starts from cache. */
 static inline __attribute__((always_inline)) void weigh(const segment_t *sg, int bf, int64_t b, int64_t g,
                                                         const int64_t G, int64_t c0, int64_t cn, const float *p,
-                                                        int64_t stride, v8 (*acc)[CB]) {
-  const int64_t r = b / sg->group, vb = r * sg->svb + g * sg->svh;
+                                                        int64_t stride, v8 (*acc)[CB], const char *ahead,
+                                                        int64_t row) {
+  const int64_t r = b / sg->group, vb = r * sg->svb + g * sg->svh, es = bf ? 2 : 4;
   const uint8_t *seen = sg->seen ? sg->seen + r * sg->smb : NULL;
   for (int64_t m = 0; m < sg->L; ++m) {
+    if (ahead) prefetch(ahead + m * sg->skl * es, row);
     if (seen && !seen[m]) continue; /* its slot may hold anything, a NaN included: 0 * NaN would reach the output */
     v8 vr[CB];
     for (int i = 0; i < cn; ++i) vr[i] = load8(sg->v, vb + m * sg->svl + 8 * (c0 + i), bf);
@@ -148,9 +162,10 @@ static inline __attribute__((always_inline)) void weigh(const segment_t *sg, int
 }
 
 /* Row b, KV head g: its G query heads' outputs over both segments, one softmax. `s` holds G * (L0 + L1) scores.
-   G and C (= D / 8) are constants in a build for one head shape, so the accumulators live in registers. */
+   G and C (= D / 8) are constants in a build for one head shape, so the accumulators live in registers. `ahead`:
+   the next item's own keys (or NULL), prefetched during this item's value pass over its own segment. */
 static inline __attribute__((always_inline)) void attend(const job_t *a, int64_t b, int64_t g, const int64_t G,
-                                                         const int64_t C, float *s) {
+                                                         const int64_t C, float *s, const char *ahead) {
   const int bf = a->bf16;
   const int64_t L0 = a->seg[0].L, Lt = L0 + a->seg[1].L;
   v8 q[MAXG][MAXD / 8];
@@ -179,8 +194,8 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int64_t
     v8 acc[MAXG][CB];
     for (int64_t j = 0; j < G; ++j)
       for (int i = 0; i < CB; ++i) acc[j][i] = (v8){0};
-    weigh(&a->seg[0], bf, b, g, G, c0, cn, s, Lt, acc);
-    weigh(&a->seg[1], bf, b, g, G, c0, cn, s + L0, Lt, acc);
+    weigh(&a->seg[0], bf, b, g, G, c0, cn, s, Lt, acc, NULL, 0);
+    weigh(&a->seg[1], bf, b, g, G, c0, cn, s + L0, Lt, acc, c0 ? NULL : ahead, 8 * C * (bf ? 2 : 4));
     for (int64_t j = 0; j < G; ++j) {
       float *o = a->out + b * a->sob + (g * G + j) * a->soh + 8 * c0;
       for (int i = 0; i < cn; ++i) {
@@ -197,13 +212,16 @@ static int run_part(const job_t *a, int64_t begin, int64_t end) {
   const int64_t G = a->H / a->KV, C = a->D / 8, n = a->seg[0].group, Lt = a->seg[0].L + a->seg[1].L;
   float *s = (float *)malloc(sizeof(float) * (size_t)(G * (Lt > 0 ? Lt : 1)));
   if (!s) return 1;
+  const segment_t *own = &a->seg[1];
   for (int64_t item = begin; item < end; ++item) {
     const int64_t u = item / (n * a->KV), g = item / n % a->KV, b = u * n + item % n;
+    const int64_t next = item + 1, b1 = next / (n * a->KV) * n + next % n, g1 = next / n % a->KV;
+    const char *ahead = next < end ? (const char *)own->k + (b1 * own->skb + g1 * own->skh) * (a->bf16 ? 2 : 4) : NULL;
 #ifdef TANDEM_G
     (void)C;
-    attend(a, b, g, TANDEM_G, TANDEM_C, s);
+    attend(a, b, g, TANDEM_G, TANDEM_C, s, ahead);
 #else
-    attend(a, b, g, G, C, s);
+    attend(a, b, g, G, C, s, ahead);
 #endif
   }
   free(s);
