@@ -11,7 +11,7 @@ import torch
 from tandem import moe
 from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
-from tandem.rollout import llama_decode
+from tandem.rollout import llama_decode, native
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
 
@@ -33,23 +33,48 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def _draw(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+def uniforms(gens: list[torch.Generator], steps: int, rows: int) -> torch.Tensor:
+    """[steps, rows] float64 uniforms in [0, 1) for `_draw`, drawn once for a whole `generate`: generator i gives
+    its equal run of the rows (one generator for the batch, or one per prompt for its n rows), each row's draws
+    in step order, so a prompt's samples depend only on its own generator."""
+    per = rows // len(gens)
+    return torch.cat([torch.rand((steps, per), dtype=torch.float64, generator=g, device=g.device) for g in gens], 1)
+
+
+def _draw(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None, alive: torch.Tensor | None = None,
+          pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob (under the temperature, before truncation: what the trainer recomputes).
-    Greedy at temperature 0; else drawn from `gens`, each for an equal run of rows: one for the batch, or one
-    per prompt for its n rows."""
-    if sampling.temperature <= 0:
+    Greedy at temperature 0; else the inverse of each row's cumulative distribution at its uniform `u` [rows]
+    (float64, in [0, 1)): the first token whose running sum of probabilities exceeds u times their total. Rows
+    where `alive` [rows] is False get `pad` (a finished row feeds padding).
+
+    Why not torch.multinomial (or its exponential race, the argmax of probs over Exp(1) noise): that draws a random
+    number per row and vocabulary entry, which on CPU costs more than the LM head at real vocabularies; this draws
+    one per row (bench/bench_sampling.py). The sum runs in float64, so a token of probability down to ~1e-16 keeps
+    its share (a float32 sum would round away those under ~6e-8 late in a large vocabulary); a token of probability
+    0 (filtered out by top-k or top-p) is never drawn. On CPU without top-k or top-p the draw is tandem's C
+    (`native.sample`, where a C compiler builds it): the same draw in two passes over each row, no temporaries."""
+    greedy = sampling.temperature <= 0
+    truncated = (sampling.top_k and sampling.top_k < logits.shape[-1]) or sampling.top_p < 1.0
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and (greedy or not truncated) \
+            and native.sampler()[0] is not None:
+        return native.sample(logits, sampling.temperature, None if greedy else u, alive, pad)
+    if greedy:
         tok = logits.argmax(-1)
-        return tok, torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
-    scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits  # x / 1 is x: one op spared
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
-    # torch.multinomial's own draw for one sample (argmax of probs / Exp(1) noise), written out: the same tokens
-    # from the same generator state, without its argument checks, and one division for all the prompts' rows
-    noise, rows = torch.empty_like(probs), len(probs) // len(gens)  # each generator's rows, side by side
-    for i, g in enumerate(gens):
-        noise[i * rows:(i + 1) * rows].exponential_(generator=g)
-    tok = probs.div_(noise).argmax(-1)
-    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+    else:
+        scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits  # x / 1 is x: one op spared
+        logp_all = torch.log_softmax(scaled, dim=-1)
+        if truncated:
+            probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
+        else:
+            probs = logp_all.exp()  # the same distribution: one pass instead of a second softmax
+        cum = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+        # u < 1 (53 random bits), so u * total rounds below the total: the first position above it exists, and has a
+        # probability above 0 (a position of probability 0 repeats the sum before it, which would have been first)
+        tok = torch.searchsorted(cum, u[:, None] * cum[:, -1:], right=True).squeeze(-1)
+        logp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
+    return (tok, logp) if alive is None else (torch.where(alive, tok, pad), logp)
 
 
 class HFEngine:
@@ -115,14 +140,13 @@ class HFEngine:
                              "(Sampling.max_tokens is one per prompt)")
         n, dev = sampling.n, self.device
         seeds = sampling.seeds or (self.seed if sampling.seed is None else sampling.seed,)
-        gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
         with self._routes_record() as record:  # the experts each position went to (MoE models only)
             logits, next_pos, step = self._prefill(prompts, n, sampling.max_new_tokens)
             rows = [p for p in prompts for _ in range(n)]
             B = len(rows)
             stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))
             stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
-            finished = torch.zeros(B, dtype=torch.bool, device=dev)
+            alive = torch.ones(B, dtype=torch.bool, device=dev)  # rows still sampling (a finished one feeds padding)
             lengths = torch.zeros(B, dtype=torch.long, device=dev)
             tokens: list[torch.Tensor] = []
             logps: list[torch.Tensor] = []
@@ -130,27 +154,29 @@ class HFEngine:
             limits = torch.tensor([sampling.limit(i // n) for i in range(B)], device=dev)
             capped = torch.zeros(B, dtype=torch.bool, device=dev)  # stopped at their own limit, below max_new_tokens
             most = int(limits.max())
-            for drawn in range(1, most + 1):
-                tok, lp = _draw(logits.float(), sampling, gens)
-                tok = tok.masked_fill_(finished, self.pad_id)
+            draws = None
+            if sampling.temperature > 0:
+                gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
+                draws = uniforms(gens, most, B)
+            for drawn in range(most):
+                tok, lp = _draw(logits.float(), sampling, None if draws is None else draws[drawn], alive, self.pad_id)
                 tokens.append(tok)
                 logps.append(lp)
-                lengths += ~finished
-                hit = torch.isin(tok, stop_ids) & ~finished
+                lengths += alive
+                alive &= torch.isin(tok, stop_ids, invert=True)
                 if sampling.stop:
-                    hit |= self._stop_strings(tokens, lengths, finished | hit, sampling.stop, texts).to(dev)
-                finished |= hit
+                    alive &= ~self._stop_strings(tokens, lengths, ~alive, sampling.stop, texts).to(dev)
                 if sampling.max_tokens:
-                    at_limit = (lengths >= limits) & ~finished
+                    at_limit = (lengths >= limits) & alive
                     capped |= at_limit
-                    finished |= at_limit
-                if drawn == most or bool(finished.all()):  # no row takes another token: no step to feed this one
+                    alive &= ~at_limit
+                if drawn == most - 1 or not bool(alive.any()):  # no row takes another token: no step to feed this one
                     break
                 logits = step(tok, next_pos)
-                next_pos = next_pos + 1
+                next_pos += 1
         routes = None if record is None else moe.sampled_routes(record.forwards(), [len(p) for p in prompts], n,
                                                                 lengths.tolist())
-        return self._completions(rows, n, tokens, logps, lengths.tolist(), (finished & ~capped).tolist(), texts,
+        return self._completions(rows, n, tokens, logps, lengths.tolist(), (~alive & ~capped).tolist(), texts,
                                  routes)
 
     def _prefill(self, prompts: list[list[int]], n: int, max_new_tokens: int):

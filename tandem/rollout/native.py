@@ -1,6 +1,7 @@
 """tandem's C kernels: the decode attention (`kernels/decode_attention.c`) and the whole decode step around it
-(`kernels/decode_step.c`, one library), compiled with the machine's C compiler on first use, once per head shape,
-cached per source, compiler flags and processor, and called through ctypes.
+(`kernels/decode_step.c`, one library, built once per head shape), and the sampling draw (`kernels/sample.c`, a
+library of its own), compiled with the machine's C compiler on first use, cached per source, compiler flags and
+processor, and called through ctypes.
 
 Why C and ctypes rather than a PyTorch C++ extension: the kernels need raw pointers and strides, nothing of ATen,
 and a plain C file compiles in well under a second where a file that includes the ATen headers takes tens of
@@ -60,8 +61,8 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(cc: str, flags: list[str], target: Path) -> str | None:
-    """Compile the source into `target` (written whole or not at all: processes may build at once) with the first
+def _build(cc: str, flags: list[str], source: Path, target: Path) -> str | None:
+    """Compile `source` into `target` (written whole or not at all: processes may build at once) with the first
     of VARIANTS that builds; None, or why the last failed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     errors = []
@@ -69,7 +70,7 @@ def _build(cc: str, flags: list[str], target: Path) -> str | None:
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
         os.close(fd)
         try:
-            done = subprocess.run([cc, *variant, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+            done = subprocess.run([cc, *variant, *flags, str(source), "-o", tmp, "-lm"], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode == 0:
                 os.replace(tmp, target)
@@ -83,26 +84,34 @@ def _build(cc: str, flags: list[str], target: Path) -> str | None:
     return f"{cc} failed: {errors[-1]}"
 
 
+def _built(name: str, source: Path, includes: list[Path], flags: list[str]) -> tuple[ctypes.CDLL | None, str]:
+    """`source` (which includes `includes`) compiled with `flags`, cached as `name`-<key>.so, loaded; or None and
+    why not. The key covers the sources, the flags, the compiler and the processor."""
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (set CC, or install gcc or clang)"
+    texts = [f.read_bytes() for f in (source, *includes)]
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), cc.encode(),
+                                      _processor().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        why = _build(cc, flags, source, target)
+        if why:
+            return None, why
+    try:
+        return ctypes.CDLL(str(target)), ""
+    except OSError as e:
+        return None, f"loading {target}: {e}"
+
+
 @functools.cache
 def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
     """The kernels (decode attention and step) built for `group` query heads per KV head of `head_dim` dims,
     loaded, and ""; or None and why they are not available (once per process and shape)."""
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler (set CC, or install gcc or clang)"
     flags = [*FLAGS, f"-DTANDEM_G={group}", f"-DTANDEM_C={head_dim // 8}"]
-    sources = [f.read_bytes() for f in sorted(KERNELS.glob("*.c"))]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), cc.encode(),
-                                      _processor().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"decode-g{group}-d{head_dim}-{key}.so"
-    if not target.exists():
-        why = _build(cc, flags, target)
-        if why:
-            return None, why
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as e:
-        return None, f"loading {target}: {e}"
+    lib, why = _built(f"decode-g{group}-d{head_dim}", SOURCE, [KERNELS / "decode_attention.c"], flags)
+    if lib is None:
+        return None, why
     fn = lib.tandem_decode_attention
     fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
@@ -110,6 +119,44 @@ def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.tandem_decode_step.restype = ctypes.c_int
     return lib, ""
+
+
+@functools.cache
+def sampler() -> tuple[ctypes.CDLL | None, str]:
+    """The draw (`kernels/sample.c`, for any model) built, loaded, and ""; or None and why not (once per process)."""
+    lib, why = _built("sample", KERNELS / "sample.c", [], FLAGS)
+    if lib is None:
+        return None, why
+    lib.tandem_sample.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.tandem_sample.restype = ctypes.c_int
+    return lib, ""
+
+
+def sample(logits: torch.Tensor, temperature: float, u: torch.Tensor | None, alive: torch.Tensor | None = None,
+           pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` [rows, V] (float32, CPU, last dim contiguous) and its logprob under the
+    temperature, by `sample.c`: at its uniform `u` [rows] (float64), or greedy where `u` is None (temperature
+    then unused: logprobs of the plain logits); rows where `alive` [rows] (bool) is False get `pad` and logprob 0.
+    The same draw as `hf._draw`'s PyTorch ops without top-k and top-p (float rounding apart)."""
+    lib, why = sampler()
+    if lib is None:
+        raise RuntimeError(f"native sampling is not available: {why}")
+    rows, V = logits.shape
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+        raise ValueError("native sample: float32 CPU logits with a contiguous last dim")
+    if (u is not None and (u.dtype != torch.float64 or u.shape != (rows,) or not u.is_contiguous())) or \
+            (alive is not None and (alive.dtype != torch.bool or alive.shape != (rows,) or not alive.is_contiguous())):
+        raise ValueError("native sample: u must be [rows] float64 and alive [rows] bool, contiguous")
+    tok = torch.empty(rows, dtype=torch.long)
+    logp = torch.empty(rows, dtype=torch.float32)
+    inv_t = 1.0 / temperature if u is not None else 1.0
+    rc = lib.tandem_sample(logits.data_ptr(), rows, V, logits.stride(0), inv_t,
+                           None if u is None else u.data_ptr(), None if alive is None else alive.data_ptr(), pad,
+                           tok.data_ptr(), logp.data_ptr())
+    if rc:
+        raise RuntimeError(f"native sample failed (code {rc}): a vocabulary of {V} is beyond its 512 Ki entries")
+    return tok, logp
 
 
 def unsupported(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,

@@ -10,7 +10,7 @@ import torch
 
 from tandem.rollout import llama_decode
 from tandem.rollout.base import Sampling
-from tandem.rollout.hf import HFEngine, _draw
+from tandem.rollout.hf import HFEngine, _draw, uniforms
 
 
 @dataclass
@@ -69,7 +69,7 @@ class HFStream:
                                                    engine.decode_kernel)
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
-        self.gens: dict[Hashable, torch.Generator] = {}
+        self.draws: dict[Hashable, list[float]] = {}  # each running request's uniforms, one per token (`_draw`)
         self.logits: torch.Tensor | None = None  # [rows, V]: each running row's next-token logits, in slot order
         self.admitting = True
         stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(engine.eos_ids))
@@ -109,7 +109,11 @@ class HFStream:
         if not self.running:
             return []
         keys = list(self.decoder.rows)
-        tok, lp = _draw(self.logits.float(), self.sampling, [self.gens[k] for k in keys])
+        u = None
+        if self.sampling.temperature > 0:
+            u = torch.tensor([self.draws[k][len(self.running[k].tokens)] for k in keys], dtype=torch.float64,
+                             device=self.logits.device)
+        tok, lp = _draw(self.logits.float(), self.sampling, u)
         done: list[Finished] = []
         for key, t, logp in zip(keys, tok.tolist(), lp.tolist()):
             r = self.running[key]
@@ -151,7 +155,8 @@ class HFStream:
         new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
         for r in new:
             self.running[r.key] = r
-            self.gens[r.key] = torch.Generator(device=self.engine.device).manual_seed(r.seed + 7919 * r.restarts)
+            gen = torch.Generator(device=self.engine.device).manual_seed(r.seed + 7919 * r.restarts)
+            self.draws[r.key] = uniforms([gen], r.max_new_tokens, 1)[:, 0].tolist()
         logits = self.decoder.fill([r.key for r in new], [r.prefix for r in new])
         self.logits = logits if self.logits is None or len(self.decoder.rows) == len(new) else \
             torch.cat([self.logits, logits])
@@ -163,4 +168,4 @@ class HFStream:
             self.logits[slot] = self.logits[last]
         self.logits = self.logits[:last]
         del self.running[key]
-        self.gens.pop(key, None)
+        self.draws.pop(key, None)

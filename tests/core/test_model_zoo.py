@@ -88,7 +88,7 @@ def _lora_steps(model: Path, tmp_path: Path, engine: str) -> None:
 
     out = tmp_path / "run"
     train(zoo_config(model, out, "lora.enabled=true", "optim.lr=1e-2", "algo.kl_coef=0.05", f"rollout.engine={engine}",
-                     "rewards=[{name: 'toy_rewards:text_length'}]"))  # random weights: a reward that varies
+                     "rewards=[{name: 'toy_rewards:text_code'}]"))  # random weights: a reward that varies
     steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
     assert steps[0]["grad_norm"] > 0  # the adapter moved, so step 2's engine needed the merged weights
     assert all(r["logprob_diff_max"] <= LOGPROB_DIFF for r in steps), steps

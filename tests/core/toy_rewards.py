@@ -5,6 +5,12 @@ def text_length(completion: str, prompt: str, row, **_) -> float:
     return float(len(completion))
 
 
+def text_code(completion: str, prompt: str, row, **_) -> float:
+    """Differs between almost any two different completions, even of one length (a group of fixed-length samples
+    whose text lengths all agree would give text_length no spread, and its update no gradient)."""
+    return float(sum(map(ord, completion)) % 101)
+
+
 def raises(completion: str, prompt: str, row, **_) -> float:
     raise RuntimeError("reward bug")
 

@@ -8,7 +8,8 @@ import torch
 
 from tandem.modeling import load_causal_lm, load_tokenizer
 from tandem.rollout import Sampling
-from tandem.rollout.hf import HFEngine, _draw, filter_logits
+from tandem.rollout import native
+from tandem.rollout.hf import HFEngine, _draw, filter_logits, uniforms
 
 
 @pytest.fixture(scope="module")
@@ -126,22 +127,78 @@ def test_filter_logits_top_p_keeps_smallest_set():
     assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [[True, True, False, False]]
 
 
-def test_draws_are_torch_multinomials_from_each_prompts_generator():
-    """The engine writes out multinomial's one-sample draw: the same tokens from the same generator states, one
-    generator per prompt for its rows, and the logprob of each token under the temperature."""
+@pytest.fixture(params=["C draw", "torch draw"])
+def draw_path(request, monkeypatch):
+    """`_draw` as it runs: tandem's C draw (without top-k and top-p, where it builds) or PyTorch ops."""
+    if request.param == "torch draw":
+        monkeypatch.setattr(native, "sampler", lambda: (None, "turned off by the test"))
+    else:
+        assert native.sampler()[0] is not None, native.sampler()[1]
+    return request.param
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_draw_inverts_each_rows_cumulative_distribution_at_its_uniform(draw_path, top_k):
+    """Row r's token is the first whose cumulative probability (after temperature and top-k) exceeds u[r] times the
+    total; its logprob is under the temperature, before truncation; a filtered-out token is never drawn, even at
+    the ends of [0, 1)."""
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 3
-    sampling = Sampling(n=3, temperature=0.7, top_k=5)
-    for seeds in ([11], [11, 12]):
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
-        refs = [torch.Generator().manual_seed(s) for s in seeds]
-        tok, logp = _draw(logits, sampling, gens)
-        probs = torch.softmax(filter_logits(logits / 0.7, 5, 1.0), -1)
-        rows = len(logits) // len(refs)
-        want = torch.cat([torch.multinomial(probs[i * rows:(i + 1) * rows], 1, generator=g).squeeze(-1)
-                          for i, g in enumerate(refs)])
-        assert tok.tolist() == want.tolist()
-        assert torch.allclose(logp, torch.log_softmax(logits / 0.7, -1).gather(-1, want[:, None]).squeeze(-1))
-        assert all(torch.equal(g.get_state(), r.get_state()) for g, r in zip(gens, refs))
+    logits[:, 7] = float("-inf")  # a token the model rules out: never drawn
+    sampling = Sampling(n=3, temperature=0.7, top_k=top_k)
+    probs = torch.softmax(filter_logits(logits / 0.7, top_k, 1.0), -1).double()
+    u = torch.rand(6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    u[0], u[1] = 0.0, 1.0 - 2.0 ** -53
+    tok, logp = _draw(logits, sampling, u)
+    for r in range(6):
+        cum = probs[r].cumsum(0)
+        assert tok[r] == next(i for i in range(40) if cum[i] > u[r] * cum[-1])
+        assert probs[r, tok[r]] > 0
+    kept = probs > 0
+    assert tok[0] == kept[0].nonzero()[0, 0] and tok[1] == kept[1].nonzero()[-1, 0]  # the first and the last allowed
+    assert torch.allclose(logp, torch.log_softmax(logits / 0.7, -1).gather(-1, tok[:, None]).squeeze(-1), atol=1e-6)
+
+
+def test_a_draw_keeps_the_share_of_a_token_too_rare_for_a_float32_sum(draw_path):
+    """A token of probability 1e-12 after half the mass: a float32 running sum does not move past it (0.5 + 1e-12
+    rounds to 0.5), so it could never be drawn; the float64 sum keeps its interval."""
+    logits = torch.tensor([[0.0, -27.631, 0.0]])  # p = 0.5, ~5e-13, 0.5
+    p = torch.softmax(logits.double(), -1)[0]
+    inside = torch.tensor([(p[0] + p[1] / 2) / p.sum()], dtype=torch.float64)
+    assert _draw(logits, Sampling(temperature=1.0), inside)[0].item() == 1
+
+
+def test_draws_follow_the_distribution_and_uniforms_come_from_each_prompts_generator(draw_path):
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0]])
+    logits = probs.log().expand(20000, -1).contiguous()
+    u = uniforms([torch.Generator().manual_seed(5)], 20000, 1)[:, 0]
+    tok, _ = _draw(logits, Sampling(temperature=1.0), u)
+    freq = torch.bincount(tok, minlength=6).double() / len(tok)
+    sigma = (probs[0].double() * (1 - probs[0].double()) / len(tok)).sqrt()
+    assert ((freq - probs[0]).abs() <= 4 * sigma + 1e-12).all(), freq
+    # generator i gives the i-th run of rows, each column its draws in step order
+    a, b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    got = uniforms([a, b], 3, 4)
+    want = torch.cat([torch.rand((3, 2), dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+                      for s in (1, 2)], 1)
+    assert torch.equal(got, want)
+
+
+def test_the_c_draw_is_the_torch_draw(monkeypatch):
+    """Across a large vocabulary (blocks of the C search, a partial last one), temperatures and greedy, rows that
+    have finished: the same tokens, logprobs equal to float rounding, padding where a row has finished."""
+    logits = torch.randn(64, 3000, generator=torch.Generator().manual_seed(6)) * 4
+    logits[::7, 100:2000] = float("-inf")
+    logits[1, [5, 9]] = 50.0  # a tie for the largest: greedy takes the first, as torch.argmax
+    u = torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    alive = torch.rand(64, generator=torch.Generator().manual_seed(8)) > 0.2
+    for temperature in (1.0, 0.6, 0.0):
+        sampling = Sampling(temperature=temperature)
+        c_tok, c_logp = _draw(logits, sampling, u, alive, pad=-1)
+        with monkeypatch.context() as m:
+            m.setattr(native, "sampler", lambda: (None, "turned off by the test"))
+            t_tok, t_logp = _draw(logits, sampling, u, alive, pad=-1)
+        assert torch.equal(c_tok, t_tok) and (c_tok[~alive] == -1).all()
+        assert torch.allclose(c_logp[alive], t_logp[alive], atol=2e-5)
 
 
 def test_load_weights_refuses_bad_names_and_shapes_without_changing_anything(engine):
