@@ -1,6 +1,6 @@
 """Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--decode-kernel auto|native|torch|both]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--decode-kernel auto|native|torch|both] [--device cpu|cuda] [--dtype float32|bfloat16] [--trl-engine hf|vllm]
 
 Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
 then tandem, each in a fresh child process (same process tree, same torch thread count), and prints one table:
@@ -17,6 +17,12 @@ training phases' causal attention; the rest). `--engine vllm` samples tandem's r
 each against its own attention alone; `--decode-kernel both` runs it with tandem's C decode step (its attention
 included) and with PyTorch ops and SDPA (`rollout.decode_kernel`; default auto, the C step where it builds), each
 against the same kernel's attention alone.
+
+On a GPU (`--device cuda`, written for the day one is lent and not yet run on one: bench/gpu_check.py runs it as its
+`trl-vllm` check): `--dtype bfloat16` loads both frameworks' models in bf16 (TRL's `bf16` on too), `--trl-engine
+vllm` samples TRL's rollouts with vLLM in its process (its `colocate` mode) as `--engine vllm` does tandem's; the
+FLOP floor is then at the GPU's matmul rate in that dtype, and the CPU-only tables (matrix products alone at each
+phase's shapes, attention alone) are left out.
 
 Workloads (both: KL 0.04 with the k3 estimator and a loaded reference model, token-mean loss (TRL's `dapo`),
 clip 0.2, fp32, no gradient checkpointing, no dropping of zero-variance groups, temperature 1, lr 1e-5):
@@ -104,18 +110,24 @@ def build_model(folder: Path, w: Workload) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def matmul_gflops(threads: int, seconds: float = 2.0) -> float:
-    """This machine's fp32 matmul rate at `threads` torch threads, on a training-sized GEMM (4096 x 512 x 1536)."""
+def matmul_gflops(threads: int, device: str = "cpu", dtype: str = "float32", seconds: float = 2.0) -> float:
+    """This machine's matmul rate in `dtype` at `threads` torch threads (CPU) or on the first GPU, on a
+    training-sized GEMM (4096 x 512 x 1536)."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(4096, 512), torch.randn(512, 1536)
-    out = torch.empty(4096, 1536)
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(4096, 512, device=device, dtype=dt), torch.randn(512, 1536, device=device, dtype=dt)
+    out = torch.empty(4096, 1536, device=device, dtype=dt)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch.mm(a, b, out=out)
+    sync()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        torch.mm(a, b, out=out)
-        n += 1
+        for _ in range(1 if device == "cpu" else 50):  # a GPU's GEMM takes microseconds: time batches of them
+            torch.mm(a, b, out=out)
+            n += 1
+        sync()
     return 2 * 4096 * 512 * 1536 * n / (time.perf_counter() - start) / 1e9
 
 
@@ -274,13 +286,16 @@ def prompt_tokens(w: Workload, model: Path) -> int:
 # ---------------------------------------------------------------------------------------------- TRL child
 
 
-def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> dict:
+def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int, device: str = "cpu",
+            dtype: str = "float32", engine: str = "hf") -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(threads)
+    on_vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+               "vllm_max_model_length": prompt_tokens(w, model) + w.new_tokens + 8} if engine == "vllm" else {}
 
     def exact(prompts, completions, answer, **_):
         return [float(c.strip() == a) for c, a in zip(completions, answer)]
@@ -298,7 +313,8 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
             times.append(time.perf_counter() - self.start)
 
     args = GRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, seed=SEED,
+        output_dir=str(out), use_cpu=device == "cpu", bf16=dtype == "bfloat16", fp16=False,
+        model_init_kwargs={"dtype": getattr(torch, dtype)}, gradient_checkpointing=False, seed=SEED, **on_vllm,
         per_device_train_batch_size=w.micro_rows, gradient_accumulation_steps=w.completions // w.micro_rows,
         steps_per_generation=w.completions // w.micro_rows, num_generations=w.generations,
         max_completion_length=w.new_tokens, max_steps=steps, learning_rate=LR, beta=KL, epsilon=CLIP,
@@ -335,7 +351,7 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
 
 
 def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, engine: str = "hf",
-               kv_cache_dtype: str = "auto", decode_kernel: str = "auto") -> dict:
+               kv_cache_dtype: str = "auto", decode_kernel: str = "auto", dtype: str = "float32") -> dict:
     from tandem.config import load_config
     from tandem.trainer import train
 
@@ -355,8 +371,8 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
         "data.eval_size=1", f"algo.kl_coef={KL}", "algo.kl_estimator=k3",
         "algo.loss_agg=token_mean", f"algo.clip_low={CLIP}", f"algo.clip_high={CLIP}", "algo.adv_eps=1e-4",
         f"optim.lr={LR}", "rewards=[{name: arithmetic_exact}]", "reward_pool.workers=0", f"rollout.engine={engine}",
-        f"rollout.kv_cache_dtype={kv_cache_dtype}", f"rollout.decode_kernel={decode_kernel}",
-    ])
+        f"rollout.kv_cache_dtype={kv_cache_dtype}", f"rollout.decode_kernel={decode_kernel}", f"model.dtype={dtype}",
+    ])  # the device: the GPU where one is visible (CUDA_VISIBLE_DEVICES="" keeps the CPU), as tandem's local backend
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] > 0]
@@ -373,16 +389,20 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
 
 
 def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf",
-          kv_cache_dtype: str = "auto", decode_kernel: str = "auto") -> dict:
-    """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other)."""
+          kv_cache_dtype: str = "auto", decode_kernel: str = "auto", device: str = "cpu",
+          dtype: str = "float32") -> dict:
+    """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other). `engine`:
+    the framework's rollout engine (hf: TRL's HF generate, tandem's embedded engine; or vllm)."""
     result = work / (f"{framework}-{engine}-{kv_cache_dtype}-{decode_kernel}-{w.name}-{w.prompts}x{w.generations}"
                      f"x{w.new_tokens}-c{w.context}.json")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # both frameworks on the CPU, on a GPU machine too
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", framework,
            "--spec", w.to_json(), "--model", str(model), "--out", str(result), "--steps", str(steps),
            "--threads", str(threads), "--engine", engine, "--kv-cache-dtype", kv_cache_dtype,
-           "--decode-kernel", decode_kernel]
+           "--decode-kernel", decode_kernel, "--device", device, "--dtype", dtype]
     proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         sys.stdout.write(proc.stdout[-6000:])
@@ -406,8 +426,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads in every process")
     ap.add_argument("--frameworks", nargs="+", default=["trl", "tandem"], choices=["trl", "tandem"])
     ap.add_argument("--engine", choices=["hf", "vllm", "both"], default="hf",
-                    help="tandem's rollout engine; both: tandem twice, side by side (TRL always samples with its HF "
-                         "generate)")
+                    help="tandem's rollout engine; both: tandem twice, side by side (TRL's: --trl-engine)")
+    ap.add_argument("--trl-engine", choices=["hf", "vllm"], default="hf",
+                    help="TRL's rollouts: its HF generate, or vLLM in its process (use_vllm, colocate mode: GPU)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where both frameworks run; cuda: the first GPU (not yet run on one), CPU-only tables left out")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="both frameworks' model dtype (bfloat16: TRL's bf16 on, tandem's model.dtype)")
     ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "both", "auto"], default="float32",
                     help="tandem's hf engine's KV cache (rollout.kv_cache_dtype); both: the hf engine twice, each "
                          "cache side by side. Default float32, the reference the x GEMMs targets are stated for")
@@ -424,10 +449,10 @@ def main() -> None:
         w = Workload(**json.loads(args.spec))
         out = Path(args.out).with_suffix(".run")
         if args.child == "trl":
-            res = run_trl(w, Path(args.model), out, args.steps, args.threads)
+            res = run_trl(w, Path(args.model), out, args.steps, args.threads, args.device, args.dtype, args.engine)
         else:
             res = run_tandem(w, Path(args.model), out, args.steps, args.threads, args.engine, args.kv_cache_dtype,
-                             args.decode_kernel)
+                             args.decode_kernel, args.dtype)
         Path(args.out).write_text(json.dumps(res))
         return
 
@@ -441,7 +466,7 @@ def main() -> None:
     variants = [(e, kv, a) for e in engines for kv in (caches if e == "hf" else ["auto"])
                 for a in (kernels if e == "hf" else ["auto"])]
     # (label, framework, tandem's engine, its KV cache dtype, its decode kernel): TRL once, tandem per variant
-    runs = [("trl", "trl", "hf", "auto", "torch")] if "trl" in args.frameworks else []
+    runs = [("trl", "trl", args.trl_engine, "auto", "torch")] if "trl" in args.frameworks else []
     if "tandem" in args.frameworks:
         runs += [("tandem" if len(variants) == 1 else f"tandem-{e}" + ("-bf16kv" if kv == "bfloat16" else "")
                   + ("-torch" if a == "torch" and len(kernels) > 1 else ""), "tandem", e, kv, a)
@@ -457,8 +482,10 @@ def main() -> None:
           f"(tandem's C kernel: {'built' if built[0] else 'not available: ' + built[1]}; whole step in C: "
           f"{'yes' if native.sgemm()[0] else 'no, ' + native.sgemm()[1]}), "
           f"load average at start={os.getloadavg()}")
-    rate = matmul_gflops(args.threads)
-    print(f"fp32 matmul rate at {args.threads} thread(s): {rate:.1f} GFLOP/s")
+    on_cpu = args.device == "cpu"  # the machine-limit tables (products and attention alone) are the CPU's
+    rate = matmul_gflops(args.threads, args.device, args.dtype)
+    print(f"{args.dtype} matmul rate on {args.device}" + (f" at {args.threads} thread(s)" if on_cpu else "")
+          + f": {rate:.1f} GFLOP/s; TRL's rollouts: {args.trl_engine}")
     # each run's attention alone is timed with its cache dtype and kernel (auto: the C kernel where it built)
     kind = {label: ("bfloat16" if kv == "bfloat16" else "float32",
                     "native" if kernel == "native" or (kernel == "auto" and built[0]) else "torch")
@@ -477,10 +504,13 @@ def main() -> None:
             for label, fw, engine, kv, kernel in runs:
                 start = time.perf_counter()
                 res[label] = summarize(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads,
-                                             engine, kv, kernel), args.warmup)
+                                             engine, kv, kernel, args.device, args.dtype), args.warmup)
                 print(f"  {name:5s} {label:6s} done in {time.perf_counter() - start:.0f} s, steps: "
                       + ", ".join(f"{t:.3f}" for t in res[label]["all"]) + f"; load {os.getloadavg()[0]:.2f}",
                       flush=True)
+            if not on_cpu:
+                table.append((w, params, flops, steps, res, phases, None, None, None))
+                continue
             gemms = achievable_seconds(w, vocab_size(work / f"model-{name}"), plen)
             alone = {k: decode_attention_seconds(w, plen, *k) for k in set(kind.values())}
             attention = {label: alone[k] for label, k in kind.items()}
@@ -511,6 +541,9 @@ def main() -> None:
                 r = res[label]
                 print(f"  {w.name:5s} {label} weight sync ({engine} engine, one process): "
                       f"{100 * r['phases']['sync'] / r['s_step']:.3f}% of the step")
+    if not on_cpu:
+        print(f"load average at end={os.getloadavg()}")
+        return
     print(f"\neach phase against its floor share (its FLOPs / {rate:.1f} GFLOP/s) and against its matrix products "
           "alone at the phase's own shapes (`achievable_seconds`: the machine's rate there, no framework)")
     head = f"{'workload':9s} {'phase':9s} {'floor s':>8s} {'GEMMs s':>8s} {'GEMM GF/s':>9s} " + \

@@ -25,8 +25,8 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
   moe-sync        a tiny Qwen3-MoE with vLLM in process: the per-expert conversion on CUDA, logprob_diff
   bf16-bound      model.dtype bfloat16 with vLLM: the logprob gap measured against rollout.max_logprob_diff 'auto'
   memory          bench/bench_memory.py on CUDA: the GRPO peak against plain fine-tuning's
-
-Not here yet: the TRL comparison in bf16 with both frameworks on vLLM (bench/bench_trl.py runs TRL on HF generate).
+  trl-vllm        bench/bench_trl.py's large workload in bf16 on the GPU, TRL and tandem each sampling with vLLM in
+                  its process (TRL's colocate mode): both run, and their seconds per step side by side
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "tests" / "train"))
 
 DRY = False  # --dry-run: the checks on the CPU, device-memory assertions left out
 CHECKS: dict[str, tuple[int, object]] = {}  # name -> (GPUs it needs, function)
+LONGER = {"trl-vllm": 600.0}  # checks that need more than --timeout's default: the least seconds they get
 
 
 def check(name: str, gpus: int = 1):
@@ -286,6 +287,24 @@ def check_memory(work: Path) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+@check("trl-vllm")
+def check_trl_vllm(work: Path) -> str:
+    """bench/bench_trl.py's comparison on the GPU in bf16, each framework sampling with vLLM in its own process (the
+    dry run: its small workload on the CPU, float32, HF generate and the embedded engine: the flags' plumbing)."""
+    flags = (["--workload", "small", "--steps", "1", "--warmup", "0", "--device", "cpu"] if DRY else
+             ["--workload", "large", "--steps", "1", "--warmup", "1", "--device", "cuda", "--dtype", "bfloat16",
+              "--engine", "vllm", "--trl-engine", "vllm"])
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_trl.py"), *flags], capture_output=True,
+                         text=True, timeout=900, cwd=work)
+    print(out.stdout[-4000:], out.stderr[-2000:])
+    if out.returncode:
+        raise RuntimeError(f"bench_trl exited {out.returncode}")
+    rows = {line.split()[1]: line.split() for line in out.stdout.splitlines()
+            if line.startswith(("small ", "large ")) and line.split()[1] in ("trl", "tandem")}
+    return (f"{flags[1]}, {'float32 on the CPU' if DRY else 'bf16, both on vLLM'}: s/step TRL {rows['trl'][2]}, "
+            f"tandem {rows['tandem'][2]}, tandem/TRL {rows['tandem'][-1]}")
+
+
 def run_child(name: str) -> None:
     """One check in this process: its result as the last line of stdout, JSON."""
     os.environ.setdefault("TANDEM_CACHE", tempfile.mkdtemp())
@@ -315,9 +334,10 @@ def run_parent(names: list[str], timeout: float) -> int:
         argv = [sys.executable, __file__, "--check", name] + (["--dry-run"] if DRY else [])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "core"), os.environ.get("PYTHONPATH", "")]))
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+            limit = max(timeout, LONGER.get(name, 0.0) if not DRY else 0.0)  # two vLLM engines compile on a GPU
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, env=env, cwd=ROOT)
         except subprocess.TimeoutExpired:
-            results.append((name, "FAIL", f"no result within {timeout:.0f} s (a hang?)"))
+            results.append((name, "FAIL", f"no result within {limit:.0f} s (a hang?)"))
             continue
         last = (done.stdout.strip().splitlines() or [""])[-1]
         try:
