@@ -57,7 +57,7 @@ def _draw(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None, aliv
     greedy = sampling.temperature <= 0
     truncated = (sampling.top_k and sampling.top_k < logits.shape[-1]) or sampling.top_p < 1.0
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and (greedy or not truncated) \
-            and native.sampler()[0] is not None:
+            and logits.shape[-1] <= native.MAX_VOCAB and native.sampler()[0] is not None:
         return native.sample(logits, sampling.temperature, None if greedy else u, alive, pad)
     if greedy:
         tok = logits.argmax(-1)

@@ -37,6 +37,7 @@ FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-
 # without either still builds one (single-threaded, or for the baseline of its target)
 VARIANTS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # MAXG, MAXD in the C source
+MAX_VOCAB = 64 * 8192  # sample.c: BLOCK x MAXBLOCKS (512 Ki entries; the largest vocabularies have 256 Ki)
 
 
 def _processor() -> str:
@@ -155,7 +156,7 @@ def sample(logits: torch.Tensor, temperature: float, u: torch.Tensor | None, ali
                            None if u is None else u.data_ptr(), None if alive is None else alive.data_ptr(), pad,
                            tok.data_ptr(), logp.data_ptr())
     if rc:
-        raise RuntimeError(f"native sample failed (code {rc}): a vocabulary of {V} is beyond its 512 Ki entries")
+        raise RuntimeError(f"native sample failed (code {rc}): a vocabulary of {V} is beyond its {MAX_VOCAB}")
     return tok, logp
 
 
