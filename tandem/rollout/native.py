@@ -110,7 +110,8 @@ def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
     """The kernels (decode attention and step) built for `group` query heads per KV head of `head_dim` dims,
     loaded, and ""; or None and why they are not available (once per process and shape)."""
     flags = [*FLAGS, f"-DTANDEM_G={group}", f"-DTANDEM_C={head_dim // 8}"]
-    lib, why = _built(f"decode-g{group}-d{head_dim}", SOURCE, [KERNELS / "decode_attention.c"], flags)
+    lib, why = _built(f"decode-g{group}-d{head_dim}", SOURCE, [KERNELS / "decode_attention.c", KERNELS / "exp.h"],
+                      flags)
     if lib is None:
         return None, why
     fn = lib.tandem_decode_attention
@@ -125,7 +126,7 @@ def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
 @functools.cache
 def sampler() -> tuple[ctypes.CDLL | None, str]:
     """The draw (`kernels/sample.c`, for any model) built, loaded, and ""; or None and why not (once per process)."""
-    lib, why = _built("sample", KERNELS / "sample.c", [], FLAGS)
+    lib, why = _built("sample", KERNELS / "sample.c", [KERNELS / "exp.h"], FLAGS)
     if lib is None:
         return None, why
     lib.tandem_sample.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,

@@ -13,30 +13,15 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "exp.h"
+
 #define BLOCK 64 /* positions per partial sum: the search walks V / BLOCK sums, then one block */
 #define MAXBLOCKS 8192 /* V up to 512 Ki */
-
-/* e^x for x in [-87, 0] (the caller sends x <= 0): x = n ln2 + r, e^r by its degree-6 Taylor polynomial (relative
-   error under 2e-7), 2^n from the exponent bits; branch-free, so the loops over a row vectorize. */
-static inline float exp_neg(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = floorf(x * 1.44269504f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  union { int32_t i; float f; } two_n = {((int32_t)n + 127) << 23};
-  return p * two_n.f;
-}
 
 /* A logit's unnormalized probability, with its row's largest logit m and 1 / temperature. */
 static inline float weight(float x, float m, float inv_t) {
   const float t = (x - m) * inv_t;
-  return t >= -87.f ? exp_neg(t) : 0.f; /* -inf (and NaN) compare false: probability 0 */
+  return t >= -87.f ? exp_clamped(t) : 0.f; /* -inf (and NaN) compare false: probability 0 */
 }
 
 /* rows x V logits (row stride `stride`); `alive` (NULL: all) marks the rows that draw, the others get `pad` and
