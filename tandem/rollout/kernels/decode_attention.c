@@ -188,6 +188,12 @@ static inline __attribute__((always_inline)) void attend(const job_t *a, int64_t
   }
 }
 
+/* Item `item`'s row b and KV head g, items ordered (group of n rows, KV head, row in group). */
+static inline void locate(int64_t item, int64_t n, int64_t KV, int64_t *b, int64_t *g) {
+  *b = item / (n * KV) * n + item % n;
+  *g = item / n % KV;
+}
+
 /* Items [begin, end) of the B * KV (row, KV head) pairs, ordered (group, KV head, row in group) so that a group's
    rows read its shared prompt's keys for one KV head one after another, from cache. */
 static int run_part(const job_t *a, int64_t begin, int64_t end) {
@@ -196,9 +202,11 @@ static int run_part(const job_t *a, int64_t begin, int64_t end) {
   if (!s) return 1;
   const segment_t *own = &a->seg[1];
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t u = item / (n * a->KV), g = item / n % a->KV, b = u * n + item % n;
-    const int64_t next = item + 1, b1 = next / (n * a->KV) * n + next % n, g1 = next / n % a->KV;
-    const char *ahead = next < end ? (const char *)own->k + (b1 * own->skb + g1 * own->skh) * (a->bf16 ? 2 : 4) : NULL;
+    int64_t b, g, b1, g1;
+    locate(item, n, a->KV, &b, &g);
+    locate(item + 1, n, a->KV, &b1, &g1); /* the next item, whose own keys this one's value pass prefetches */
+    const char *ahead = item + 1 < end ? (const char *)own->k + (b1 * own->skb + g1 * own->skh) * (a->bf16 ? 2 : 4)
+                                       : NULL;
 #ifdef TANDEM_G
     (void)C;
     attend(a, b, g, TANDEM_G, TANDEM_C, s, ahead);
