@@ -1,9 +1,11 @@
 """Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--decode-kernel auto|native|torch|both] [--device cpu|cuda] [--dtype float32|bfloat16] [--trl-engine hf|vllm]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--rounds R] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--decode-kernel auto|native|torch|both] [--device cpu|cuda] [--dtype float32|bfloat16] [--trl-engine hf|vllm]
 
 Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
-then tandem, each in a fresh child process (same process tree, same torch thread count), and prints one table:
+then tandem, each in a fresh child process (same process tree, same torch thread count); `--rounds R` runs that
+pair R times in turn (TRL, tandem, TRL, tandem, ...), so that both see the same stretches of a shared machine's
+drift, each round's tandem/TRL printed as it ends, and the figures below pooled over the rounds. It prints one table:
 seconds per step (median of the measured steps after warm-up), completion tokens per second, peak RSS, the
 workload's FLOPs per step, the FLOP floor (FLOPs / this machine's fp32 matmul rate at the same thread count) and
 tandem/TRL. Then each framework's per-phase seconds (TRL's as far as its methods expose them), tandem's weight sync
@@ -390,11 +392,12 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
 
 def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf",
           kv_cache_dtype: str = "auto", decode_kernel: str = "auto", device: str = "cpu",
-          dtype: str = "float32") -> dict:
+          dtype: str = "float32", round_: int = 0) -> dict:
     """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other). `engine`:
-    the framework's rollout engine (hf: TRL's HF generate, tandem's embedded engine; or vllm)."""
+    the framework's rollout engine (hf: TRL's HF generate, tandem's embedded engine; or vllm); `round_`: which of
+    the bench's rounds (each its own output folder)."""
     result = work / (f"{framework}-{engine}-{kv_cache_dtype}-{decode_kernel}-{w.name}-{w.prompts}x{w.generations}"
-                     f"x{w.new_tokens}-c{w.context}.json")
+                     f"x{w.new_tokens}-c{w.context}-r{round_}.json")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     if device == "cpu":
@@ -410,12 +413,14 @@ def child(framework: str, w: Workload, model: Path, work: Path, steps: int, thre
     return json.loads(result.read_text())
 
 
-def summarize(res: dict, warmup: int) -> dict:
-    times, tokens = res["times"][warmup:], res["tokens"][warmup:]
-    med = statistics.median(times)
-    phases = {k: statistics.median(p[k] for p in res["phases"][warmup:]) for k in res["phases"][0]}
-    return {"s_step": med, "tok_s": sum(tokens) / sum(times), "rss_mb": res["rss_mb"], "phases": phases,
-            "all": times}
+def summarize(rounds: list[dict], warmup: int) -> dict:
+    """One framework's figures over its rounds: the medians of every measured step (after each round's warm-up)."""
+    times = [t for r in rounds for t in r["times"][warmup:]]
+    tokens = [n for r in rounds for n in r["tokens"][warmup:]]
+    steps = [p for r in rounds for p in r["phases"][warmup:]]
+    phases = {k: statistics.median(p[k] for p in steps) for k in steps[0]}
+    return {"s_step": statistics.median(times), "tok_s": sum(tokens) / sum(times),
+            "rss_mb": max(r["rss_mb"] for r in rounds), "phases": phases, "all": times}
 
 
 def main() -> None:
@@ -423,6 +428,9 @@ def main() -> None:
     ap.add_argument("--workload", choices=["small", "large", "both"], default="both")
     ap.add_argument("--steps", type=int, default=None, help="measured steps (default: 5 small, 2 large)")
     ap.add_argument("--warmup", type=int, default=1, help="steps run before measuring")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="each framework's child this many times, in turn (TRL, tandem, TRL, tandem, ...), the "
+                         "products alone timed once per round; figures are medians over every round's measured steps")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in every process")
     ap.add_argument("--frameworks", nargs="+", default=["trl", "tandem"], choices=["trl", "tandem"])
     ap.add_argument("--engine", choices=["hf", "vllm", "both"], default="hf",
@@ -500,18 +508,29 @@ def main() -> None:
             plen = prompt_tokens(w, work / f"model-{name}")
             phases = phase_flops(w, params, plen)
             flops = sum(phases.values())
-            res = {}
-            for label, fw, engine, kv, kernel in runs:
-                start = time.perf_counter()
-                res[label] = summarize(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads,
-                                             engine, kv, kernel, args.device, args.dtype), args.warmup)
-                print(f"  {name:5s} {label:6s} done in {time.perf_counter() - start:.0f} s, steps: "
-                      + ", ".join(f"{t:.3f}" for t in res[label]["all"]) + f"; load {os.getloadavg()[0]:.2f}",
-                      flush=True)
+            raw: dict[str, list[dict]] = {label: [] for label in labels}
+            references: list[dict[str, float]] = []
+            for round_ in range(args.rounds):  # the frameworks in turn, so that each sees the machine's same drift
+                for label, fw, engine, kv, kernel in runs:
+                    start = time.perf_counter()
+                    raw[label].append(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads,
+                                            engine, kv, kernel, args.device, args.dtype, round_))
+                    times = raw[label][-1]["times"][args.warmup:]
+                    print(f"  {name:5s} {label:6s} round {round_ + 1}/{args.rounds} done in "
+                          f"{time.perf_counter() - start:.0f} s, steps: " + ", ".join(f"{t:.3f}" for t in times)
+                          + f"; load {os.getloadavg()[0]:.2f}", flush=True)
+                if "trl" in raw and len(raw) > 1:
+                    ref = statistics.median(raw["trl"][-1]["times"][args.warmup:])
+                    print(f"  {name:5s} round {round_ + 1}: " + ", ".join(
+                        f"{label}/TRL {statistics.median(raw[label][-1]['times'][args.warmup:]) / ref:.2f}"
+                        for label in labels if label != "trl"), flush=True)
+                if on_cpu:  # the products alone, once per round, between the frameworks' turns
+                    references.append(achievable_seconds(w, vocab_size(work / f"model-{name}"), plen))
+            res = {label: summarize(raw[label], args.warmup) for label in labels}
             if not on_cpu:
                 table.append((w, params, flops, steps, res, phases, None, None, None))
                 continue
-            gemms = achievable_seconds(w, vocab_size(work / f"model-{name}"), plen)
+            gemms = {phase: statistics.median(r[phase] for r in references) for phase in references[0]}
             alone = {k: decode_attention_seconds(w, plen, *k) for k in set(kind.values())}
             attention = {label: alone[k] for label, k in kind.items()}
             table.append((w, params, flops, steps, res, phases, gemms, attention,
@@ -530,7 +549,7 @@ def main() -> None:
             print(f"{w.name:11s} {fw:11s} {r['s_step']:8.3f} {r['tok_s']:11.0f} {r['rss_mb']:11.0f} "
                   f"{flops / 1e9:10.1f} {floor:8.3f} {r['s_step'] / floor:7.2f} {ratio:>10s}")
         print(f"{'':11s} ({params / 1e6:.2f} M params, {w.prompts}x{w.generations} x {w.new_tokens} tokens, "
-              f"{steps} measured steps)")
+              f"{steps} measured steps x {args.rounds} round(s))")
     print("\nper-phase seconds (median over measured steps; TRL: rollout = _generate, logprobs = the rest of "
           "_generate_and_score_completions, update = the rest of the step)")
     for w, _, _, _, res, *_ in table:

@@ -219,7 +219,7 @@ class RolloutConfig(Section):
     )
     decode_kernel: Literal["auto", "native", "torch"] = Field(
         "auto", description="How the hf engine's lean decoder (Llama-family models on CPU) runs a decode step. "
-        "`native`: tandem's C decode step (tandem/rollout/kernels), one call per step: every layer's norms, rotary, "
+        "`native`: tandem's C decode step (tandem/kernels), one call per step: every layer's norms, rotary, "
         "cache writes, attention, SiLU gate and residual adds in C, its matrix products by the BLAS PyTorch itself "
         "calls (its `sgemm_`; where PyTorch exposes none, only the attention is C's); the attention reads each KV "
         "head's keys once for all its query heads and a group's prompt once for its rows, and widens a bf16 cache "

@@ -1,13 +1,7 @@
-"""tandem's C kernels: the decode attention (`kernels/decode_attention.c`) and the whole decode step around it
-(`kernels/decode_step.c`, one library, built once per head shape), and the sampling draw (`kernels/sample.c`, a
-library of its own), compiled with the machine's C compiler on first use, cached per source, compiler flags and
-processor, and called through ctypes.
+"""The hf engine's C kernels through ctypes: the decode attention (`tandem/kernels/decode_attention.c`) and the
+whole decode step around it (`decode_step.c`, one library, built once per head shape), and the sampling draw
+(`sample.c`, a library of its own); built and cached by `tandem.kernels`.
 
-Why C and ctypes rather than a PyTorch C++ extension: the kernels need raw pointers and strides, nothing of ATen,
-and a plain C file compiles in well under a second where a file that includes the ATen headers takes tens of
-seconds (every user's first run would pay it). Why compile on the user's machine: `-march=native` lets the
-compiler use every vector unit the processor has (AVX2, AVX-512, NEON) from one portable source; the cache key
-includes the processor's feature flags, so a home directory shared by unlike machines holds one build for each.
 The step's matrix products call the `sgemm_` inside PyTorch's own CPU library (`sgemm`), the routine its
 `torch.mm` calls, so the step adds no BLAS and runs the products at PyTorch's speed. No compiler, or a failed
 build, leaves PyTorch ops and SDPA in use (`rollout.decode_kernel`).
@@ -16,93 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-KERNELS = Path(__file__).parent / "kernels"
+from tandem.kernels import FLAGS, KERNELS, built
+
 SOURCE = KERNELS / "decode_step.c"  # includes decode_attention.c: one library holds both entry points
-# fast-math's reassociation only (the dot products' partial sums vectorize); no finite-math assumption, since
-# masked scores are -inf
-FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC",
-         "-shared"]
-# Tried in this order, the first that builds kept: `-march=native` for every vector unit the processor has, OpenMP
-# for threads (libgomp.so.1: PyTorch's own, already loaded, so the kernel's threads are torch's pool); a compiler
-# without either still builds one (single-threaded, or for the baseline of its target)
-VARIANTS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # MAXG, MAXD in the C source
 MAX_VOCAB = 64 * 8192  # sample.c: BLOCK x MAXBLOCKS (512 Ki entries; the largest vocabularies have 256 Ki)
-
-
-def _processor() -> str:
-    """The processor's name and feature flags: what a `-march=native` build depends on."""
-    text = ""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        pass
-    lines = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("flags", "Features", "model name")]
-    return "\n".join([platform.machine(), platform.processor(), *sorted(set(lines))])
-
-
-def _cache_dir() -> Path:
-    """TANDEM_KERNEL_CACHE, else $XDG_CACHE_HOME/tandem/kernels (~/.cache/tandem/kernels)."""
-    if os.environ.get("TANDEM_KERNEL_CACHE"):
-        return Path(os.environ["TANDEM_KERNEL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "kernels"
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-def _build(cc: str, flags: list[str], source: Path, target: Path) -> str | None:
-    """Compile `source` into `target` (written whole or not at all: processes may build at once) with the first
-    of VARIANTS that builds; None, or why the last failed."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for variant in VARIANTS:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *variant, *flags, str(source), "-o", tmp, "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if done.returncode == 0:
-                os.replace(tmp, target)
-                return None
-            errors.append(done.stderr.strip()[-500:])
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(str(e))
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return f"{cc} failed: {errors[-1]}"
-
-
-def _built(name: str, source: Path, includes: list[Path], flags: list[str]) -> tuple[ctypes.CDLL | None, str]:
-    """`source` (which includes `includes`) compiled with `flags`, cached as `name`-<key>.so, loaded; or None and
-    why not. The key covers the sources, the flags, the compiler and the processor."""
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler (set CC, or install gcc or clang)"
-    texts = [f.read_bytes() for f in (source, *includes)]
-    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), cc.encode(),
-                                      _processor().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"{name}-{key}.so"
-    if not target.exists():
-        why = _build(cc, flags, source, target)
-        if why:
-            return None, why
-    try:
-        return ctypes.CDLL(str(target)), ""
-    except OSError as e:
-        return None, f"loading {target}: {e}"
 
 
 @functools.cache
@@ -110,7 +26,7 @@ def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
     """The kernels (decode attention and step) built for `group` query heads per KV head of `head_dim` dims,
     loaded, and ""; or None and why they are not available (once per process and shape)."""
     flags = [*FLAGS, f"-DTANDEM_G={group}", f"-DTANDEM_C={head_dim // 8}"]
-    lib, why = _built(f"decode-g{group}-d{head_dim}", SOURCE, [KERNELS / "decode_attention.c", KERNELS / "exp.h"],
+    lib, why = built(f"decode-g{group}-d{head_dim}", SOURCE, [KERNELS / "decode_attention.c", KERNELS / "exp.h"],
                       flags)
     if lib is None:
         return None, why
@@ -125,8 +41,8 @@ def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
 
 @functools.cache
 def sampler() -> tuple[ctypes.CDLL | None, str]:
-    """The draw (`kernels/sample.c`, for any model) built, loaded, and ""; or None and why not (once per process)."""
-    lib, why = _built("sample", KERNELS / "sample.c", [KERNELS / "exp.h"], FLAGS)
+    """The draw (`sample.c`, for any model) built, loaded, and ""; or None and why not (once per process)."""
+    lib, why = built("sample", KERNELS / "sample.c", [KERNELS / "exp.h"], FLAGS)
     if lib is None:
         return None, why
     lib.tandem_sample.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,

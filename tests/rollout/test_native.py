@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem import kernels
 from tandem.rollout import llama_decode, native
 from tandem.rollout.hf import HFEngine
 
-pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler on this machine")
 
 
 def reference(q, k, v, seen, scale, bf16: bool) -> torch.Tensor:
@@ -152,7 +153,7 @@ def test_a_compiler_without_openmp_or_march_native_still_builds_one(tmp_path, mo
     kernel then runs single-threaded, for the compiler's baseline target, and gives the same result."""
     cc = tmp_path / "cc"
     cc.write_text(f"#!/bin/sh\nfor a in \"$@\"; do case $a in -fopenmp|-march=native) exit 1;; esac; done\n"
-                  f"exec {native._compiler()} \"$@\"\n")
+                  f"exec {kernels.compiler()} \"$@\"\n")
     cc.chmod(0o755)
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(cc))
