@@ -430,7 +430,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="steps run before measuring")
     ap.add_argument("--rounds", type=int, default=1,
                     help="each framework's child this many times, in turn (TRL, tandem, TRL, tandem, ...), the "
-                         "products alone timed once per round; figures are medians over every round's measured steps")
+                         "products alone timed once per round; figures are medians over every round's measured "
+                         "steps (the products alone: the median of the rounds')")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in every process")
     ap.add_argument("--frameworks", nargs="+", default=["trl", "tandem"], choices=["trl", "tandem"])
     ap.add_argument("--engine", choices=["hf", "vllm", "both"], default="hf",
@@ -452,6 +453,8 @@ def main() -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
 
     if args.child:
         w = Workload(**json.loads(args.spec))

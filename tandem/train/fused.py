@@ -135,8 +135,8 @@ def _fused_class(cls: type) -> type:
 
 
 def fuse(model: torch.nn.Module) -> int:
-    """Give the model's gated MLPs (SiLU) and RMS norms of `_MLPS` and `_NORMS` the fused forward; returns how many modules
-    now have it (0 where the kernels do not build: the log says why, and PyTorch's ops stay)."""
+    """Give the model's gated MLPs (SiLU) and RMS norms of `_MLPS` and `_NORMS` the fused forward; returns how many
+    modules now have it (0 where the kernels do not build: the log says why, and PyTorch's ops stay)."""
     targets = [m for m in model.modules() if (type(m).__name__ in _MLPS and _silu(m.act_fn))
                or type(m).__name__ in _NORMS]
     if not targets:
