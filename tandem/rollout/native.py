@@ -27,7 +27,7 @@ def library(group: int, head_dim: int) -> tuple[ctypes.CDLL | None, str]:
     loaded, and ""; or None and why they are not available (once per process and shape)."""
     flags = [*FLAGS, f"-DTANDEM_G={group}", f"-DTANDEM_C={head_dim // 8}"]
     lib, why = built(f"decode-g{group}-d{head_dim}", SOURCE, [KERNELS / "decode_attention.c", KERNELS / "exp.h"],
-                      flags)
+                     flags)
     if lib is None:
         return None, why
     fn = lib.tandem_decode_attention
