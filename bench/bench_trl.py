@@ -13,7 +13,9 @@ as a share of its step, and each phase against two references measured in the sa
 FLOPs at the rated matmul rate) and its matrix products alone at the phase's own shapes (a decode step's rows, a
 micro-batch's tokens; `achievable_seconds`), which separates a framework's overhead from the machine's rate at that
 shape, and where each phase's time goes (matrix products; attention: the rollout's decode attention, the
-training phases' causal attention; the rest). `--engine vllm` samples tandem's rollouts with vLLM in its process
+training phases' causal attention; the rest). The products alone are timed right after each framework's turn, and
+that framework's phases are set against them: on a VM whose speed drifts from minute to minute, the reference is
+the machine of that minute. `--engine vllm` samples tandem's rollouts with vLLM in its process
 (TRL keeps its HF generate); `--engine both` runs tandem with each engine in the same invocation, side by side;
 `--kv-cache-dtype both` runs the hf engine with a float32 and with a bfloat16 KV cache (`rollout.kv_cache_dtype`),
 each against its own attention alone; `--decode-kernel both` runs it with tandem's C decode step (its attention
@@ -149,10 +151,11 @@ def linear_shapes(w: Workload, vocab: int) -> list[tuple[int, int]]:
     return layer + [(w.hidden, vocab)]
 
 
-def gemm_seconds(shapes: list[tuple[int, int]], rows: int, backward: bool, repeats: int = 2) -> float:
-    """Best time of the matrix products of `shapes` on `rows` rows (forward x W^T; with `backward` also dY W and
-    dY^T x), each shape with its own weight, run in turn as a model's layers are: a decode step's few rows read
-    every layer's weights from memory, which a benchmark on one hot weight would hide."""
+def gemm_seconds(shapes: list[tuple[int, int]], rows: int, backward: bool, repeats: int = 5) -> float:
+    """Best time (of `repeats` runs after a warm-up one) of the matrix products of `shapes` on `rows` rows (forward
+    x W^T; with `backward` also dY W and dY^T x), each shape with its own weight, run in turn as a model's layers
+    are: a decode step's few rows read every layer's weights from memory, which a benchmark on one hot weight would
+    hide."""
     import torch
 
     weights = [torch.randn(n_out, n_in) for n_in, n_out in shapes]
@@ -430,8 +433,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="steps run before measuring")
     ap.add_argument("--rounds", type=int, default=1,
                     help="each framework's child this many times, in turn (TRL, tandem, TRL, tandem, ...), the "
-                         "products alone timed once per round; figures are medians over every round's measured "
-                         "steps (the products alone: the median of the rounds')")
+                         "products alone timed after each turn; figures are medians over every round's measured "
+                         "steps (a framework's products alone: the median of its turns')")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in every process")
     ap.add_argument("--frameworks", nargs="+", default=["trl", "tandem"], choices=["trl", "tandem"])
     ap.add_argument("--engine", choices=["hf", "vllm", "both"], default="hf",
@@ -512,7 +515,7 @@ def main() -> None:
             phases = phase_flops(w, params, plen)
             flops = sum(phases.values())
             raw: dict[str, list[dict]] = {label: [] for label in labels}
-            references: list[dict[str, float]] = []
+            references: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
             for round_ in range(args.rounds):  # the frameworks in turn, so that each sees the machine's same drift
                 for label, fw, engine, kv, kernel in runs:
                     start = time.perf_counter()
@@ -522,18 +525,19 @@ def main() -> None:
                     print(f"  {name:5s} {label:6s} round {round_ + 1}/{args.rounds} done in "
                           f"{time.perf_counter() - start:.0f} s, steps: " + ", ".join(f"{t:.3f}" for t in times)
                           + f"; load {os.getloadavg()[0]:.2f}", flush=True)
+                    if on_cpu:  # the products alone, right after this turn: this framework's reference
+                        references[label].append(achievable_seconds(w, vocab_size(work / f"model-{name}"), plen))
                 if "trl" in raw and len(raw) > 1:
                     ref = statistics.median(raw["trl"][-1]["times"][args.warmup:])
                     print(f"  {name:5s} round {round_ + 1}: " + ", ".join(
                         f"{label}/TRL {statistics.median(raw[label][-1]['times'][args.warmup:]) / ref:.2f}"
                         for label in labels if label != "trl"), flush=True)
-                if on_cpu:  # the products alone, once per round, between the frameworks' turns
-                    references.append(achievable_seconds(w, vocab_size(work / f"model-{name}"), plen))
             res = {label: summarize(raw[label], args.warmup) for label in labels}
             if not on_cpu:
                 table.append((w, params, flops, steps, res, phases, None, None, None))
                 continue
-            gemms = {phase: statistics.median(r[phase] for r in references) for phase in references[0]}
+            gemms = {label: {phase: statistics.median(r[phase] for r in refs) for phase in refs[0]}
+                     for label, refs in references.items()}
             alone = {k: decode_attention_seconds(w, plen, *k) for k in set(kind.values())}
             attention = {label: alone[k] for label, k in kind.items()}
             table.append((w, params, flops, steps, res, phases, gemms, attention,
@@ -567,18 +571,19 @@ def main() -> None:
         print(f"load average at end={os.getloadavg()}")
         return
     print(f"\neach phase against its floor share (its FLOPs / {rate:.1f} GFLOP/s) and against its matrix products "
-          "alone at the phase's own shapes (`achievable_seconds`: the machine's rate there, no framework)")
-    head = f"{'workload':9s} {'phase':9s} {'floor s':>8s} {'GEMMs s':>8s} {'GEMM GF/s':>9s} " + \
-        " ".join(f"{fw + ' s':>11s} {'x floor':>7s} {'x GEMMs':>7s}" for fw in labels)
+          "alone at the phase's own shapes (`achievable_seconds`: the machine's rate there, no framework), timed "
+          "after each of the framework's turns (GEMMs s: the median of those; GEMM GF/s: the phase's FLOPs at it)")
+    head = f"{'workload':9s} {'phase':9s} {'floor s':>8s} " + " ".join(
+        f"{fw + ' s':>11s} {'GEMMs s':>8s} {'GEMM GF/s':>9s} {'x floor':>7s} {'x GEMMs':>7s}" for fw in labels)
     print(head)
     print("-" * len(head))
     for w, _, _, _, res, phases, gemms, *_ in table:
         for phase, fl in phases.items():
-            floor, alone = fl / (rate * 1e9), gemms[phase]
-            line = f"{w.name:9s} {phase:9s} {floor:8.3f} {alone:8.3f} {fl / alone / 1e9:9.1f} "
+            floor = fl / (rate * 1e9)
+            line = f"{w.name:9s} {phase:9s} {floor:8.3f} "
             for fw in labels:
-                t = res[fw]["phases"][phase]
-                line += f"{t:11.3f} {t / floor:7.2f} {t / alone:7.2f} "
+                t, alone = res[fw]["phases"][phase], gemms[fw][phase]
+                line += f"{t:11.3f} {alone:8.3f} {fl / alone / 1e9:9.1f} {t / floor:7.2f} {t / alone:7.2f} "
             print(line)
     for w, *_, attention, _ in table:
         print(f"{w.name} rollout: its attention alone (one query per row, all layers and steps) takes, on top of "
@@ -599,7 +604,8 @@ def main() -> None:
             for fw in labels:
                 t = res[fw]["phases"][phase]
                 attn = attention[fw] if phase == "rollout" else trained[phase]
-                line += f"{gemms[phase] / t:13.2f} {attn / t:5.2f} {max(0.0, t - gemms[phase] - attn) / t:5.2f} "
+                alone = gemms[fw][phase]
+                line += f"{alone / t:13.2f} {attn / t:5.2f} {max(0.0, t - alone - attn) / t:5.2f} "
             print(line)
     print(f"load average at end={os.getloadavg()}")
 

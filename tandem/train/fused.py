@@ -1,5 +1,6 @@
 """Fused SiLU gate and RMS norm for training Llama-family models on CPU: one C pass each way (`tandem/kernels/
-train_ops.c`) where PyTorch runs several ops, each a trip through memory for a micro-batch's activations.
+train_ops.c`) where PyTorch runs several ops, each a trip through memory for a micro-batch's activations; and
+grouped-query attention that reads each key/value head in place (`group_attention`).
 
 `fuse(model)` gives each gated SiLU MLP and RMS norm of the model (Qwen2, Qwen3, Llama, Mistral and their MoE
 kin: `_MLPS`, `_NORMS`) a subclass of its own class whose forward runs the kernels on plain float32 CPU tensors
@@ -20,6 +21,9 @@ import logging
 
 import torch
 from torch.autograd.function import once_differentiable
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tandem.kernels import FLAGS, KERNELS, built
 
@@ -148,3 +152,43 @@ def fuse(model: torch.nn.Module) -> int:
     for m in targets:
         m.__class__ = _fused_class(type(m))
     return len(targets)
+
+
+# The attention implementation `group_attention` gives a model: HF's SDPA attention, but where a mask is passed on
+# CPU, SDPA reads each key/value head for its group of query heads (`enable_gqa`). HF's SDPA path copies the keys
+# and values once per query head instead (`repeat_kv`) whenever there is a mask, which the prompt-once layout and
+# padded rows always pass: that copy and its backward's sum over the copies are about 1.5% of a GQA model's update
+# (bench/bench_fused.py, the profile in docs/design-notes.md). PyTorch's CPU flash attention takes the mask and the
+# grouped heads together; HF keeps the copy for CUDA, whose fast kernels do not.
+GROUPED_SDPA = "tandem_grouped_sdpa"
+
+
+def _grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's `sdpa_attention_forward` (same arguments, same result to float rounding) with the grouped heads read in
+    place where a mask is passed on CPU; HF's own function everywhere else (no mask: it already passes
+    `enable_gqa`; another device; a position bias, a paged cache or attention weights asked for)."""
+    plain = not (kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
+                 or kwargs.get("output_attentions"))
+    if (attention_mask is None or query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1
+            or not plain):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the masks HF builds for "sdpa"
+
+
+def group_attention(model: torch.nn.Module) -> bool:
+    """Give a model that uses HF's SDPA attention `_grouped_sdpa` instead (its config's attention implementation:
+    a process-local name, never saved with the config); True if it now has it."""
+    config = model.config
+    if config._attn_implementation not in ("sdpa", GROUPED_SDPA):
+        return False
+    config._attn_implementation = GROUPED_SDPA
+    return True

@@ -235,9 +235,11 @@ class Policy:
 
     @staticmethod
     def _fuse(model) -> None:
-        """On CPU, the fused SiLU gate and RMS norm (`fused.fuse`): fewer passes over a micro-batch's activations."""
+        """On CPU, the fused SiLU gate and RMS norm (`fused.fuse`) and grouped-query attention without copied heads
+        (`fused.group_attention`): fewer passes over a micro-batch's activations."""
         if next(model.parameters()).device.type == "cpu":
             fused.fuse(model)
+            fused.group_attention(model)
 
     def _reference(self, model_path: str, dtype: str, trust_remote_code: bool, device: str | None):
         """The frozen reference model, sharded as the policy; None without KL (a model's memory and a forward per

@@ -1,5 +1,6 @@
 """Training's fused SiLU gate and RMS norm (tandem.train.fused): HF's math to float rounding, forward and backward,
-on the architectures it names; PyTorch's ops wherever the kernels do not apply."""
+on the architectures it names; PyTorch's ops wherever the kernels do not apply. And its grouped-query attention:
+HF's SDPA attention without the copied key/value heads."""
 from __future__ import annotations
 
 import importlib
@@ -140,3 +141,45 @@ def test_the_policy_trains_with_the_fused_ops_on_cpu(tiny_model):
     for model in (policy.model, policy.ref):
         assert type(model.model.layers[0].mlp).__name__ == "FusedQwen2MLP"
         assert type(model.model.norm).__name__ == "FusedQwen2RMSNorm"
+        assert model.config._attn_implementation == fused.GROUPED_SDPA
+
+
+def test_grouped_attention_is_hf_sdpa_without_copying_the_heads(tiny_model, tmp_path, monkeypatch):
+    """On padded rows (so HF passes a mask) and on the prompt-once layout's completions (a mask and a cache), a GQA
+    model with `group_attention` gives HF's SDPA logits and gradients, and never copies a key/value head; the
+    config it saves still names HF's attention."""
+    from transformers.integrations import sdpa_attention
+
+    from tandem.modeling import load_causal_lm
+    from tandem.rollout.base import Completion
+    from tandem.train.batch import collate
+    from tandem.train.policy import token_logprobs
+
+    copies = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: copies.append(1) or repeat_kv(*a))
+    hf, grouped = load_causal_lm(tiny_model), load_causal_lm(tiny_model)
+    assert hf.config.num_key_value_heads < hf.config.num_attention_heads  # GQA: the case HF copies heads for
+    assert fused.group_attention(grouped) and hf.config._attn_implementation == "sdpa"
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, hf.config.vocab_size, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4], mask[1, :1] = 0, 0
+    rows = [Completion(p, torch.randint(3, 60, (n,), generator=g).tolist(), [0.0] * n, "", "length", i // 2)
+            for i, (p, n) in enumerate([([5, 6, 7], 4), ([5, 6, 7], 6), ([8, 9], 5), ([8, 9], 2)])]
+    mb = collate(rows, list(range(4)), 0, share_prompts=True)
+    assert mb.shared is not None
+    outs = []
+    for model in (hf, grouped):
+        copies.clear()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logp, _ = token_logprobs(model, mb, 1.0, share_prompts=True)
+        ((logits * mask[..., None]).logsumexp(-1).sum() + (logp * mb.mask).sum()).backward()
+        outs.append((logits.detach(), logp.detach(), {n: p.grad for n, p in model.named_parameters()}, len(copies)))
+    (l0, p0, g0, hf_copies), (l1, p1, g1, grouped_copies) = outs
+    assert hf_copies > 0 and grouped_copies == 0
+    assert torch.allclose(l0, l1, atol=1e-5) and torch.allclose(p0, p1, atol=1e-5), (l0 - l1).abs().max()
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], rtol=1e-4, atol=1e-6), (n, (g0[n] - g1[n]).abs().max())
+    grouped.config.save_pretrained(tmp_path)
+    assert fused.GROUPED_SDPA not in (tmp_path / "config.json").read_text()
