@@ -177,34 +177,35 @@ def gemm_seconds(shapes: list[tuple[int, int]], rows: int, backward: bool, repea
 
 def decode_attention_seconds(w: Workload, prompt_tokens: int, dtype: str = "float32", kernel: str = "torch") -> float:
     """A rollout's attention alone: every decode step's one query per row and head against the row's keys so far
-    on per-row caches (as HF generate and tandem's engine for short prompts run it), all layers, by `kernel`:
-    PyTorch's SDPA, or tandem's C kernel (`native`). Not in the FLOP floor (a few % of the FLOPs), but a
-    matrix-vector product per row and KV head, which runs far below the matmul rate: this is how much of a rollout
-    that costs on this machine."""
+    on per-row caches (as HF generate and tandem's engine for short prompts run it), each layer on its own cache
+    (as a model holds them: one cache for every layer would be read from the processor's cache where a model's are
+    read from memory), by `kernel`: PyTorch's SDPA, or tandem's C kernel (`native`). Not in the FLOP floor (a few %
+    of the FLOPs), but a matrix-vector product per row and KV head, which runs far below the matmul rate: this is how
+    much of a rollout that costs on this machine."""
     import torch
     import torch.nn.functional as F
 
     from tandem.rollout import native
 
     head_dim, rows, dt = w.hidden // w.heads, w.completions, getattr(torch, dtype)
-    k = torch.randn(rows, w.kv_heads, prompt_tokens + w.new_tokens, head_dim, dtype=dt)
-    v = torch.randn_like(k)
+    shape = (rows, w.kv_heads, prompt_tokens + w.new_tokens, head_dim)
+    caches = [(torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)) for _ in range(w.layers)]
     if kernel == "native":
-        q, seen = torch.randn(rows, w.heads, head_dim), torch.ones(rows, k.shape[2], dtype=torch.bool)
+        q, seen = torch.randn(rows, w.heads, head_dim), torch.ones(rows, shape[2], dtype=torch.bool)
         scale = head_dim ** -0.5
 
-        def attend(c: int):
+        def attend(k: torch.Tensor, v: torch.Tensor, c: int):
             native.decode_attention(q, k[:, :, :c], v[:, :, :c], seen[:, :c], scale)
     else:
         q = torch.randn(rows, w.heads, 1, head_dim, dtype=dt)
 
-        def attend(c: int):
+        def attend(k: torch.Tensor, v: torch.Tensor, c: int):
             F.scaled_dot_product_attention(q, k[:, :, :c], v[:, :, :c], enable_gqa=w.heads != w.kv_heads)
-    attend(prompt_tokens + 1)  # first-call setup, not timed
+    attend(*caches[0], prompt_tokens + 1)  # first-call setup, not timed
     start = time.perf_counter()
     for c in range(prompt_tokens + 1, prompt_tokens + w.new_tokens + 1):
-        for _ in range(w.layers):
-            attend(c)
+        for k, v in caches:
+            attend(k, v, c)
     return time.perf_counter() - start
 
 
