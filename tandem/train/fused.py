@@ -157,7 +157,7 @@ def fuse(model: torch.nn.Module) -> int:
 # The attention implementation `group_attention` gives a model: HF's SDPA attention, but where a mask is passed on
 # CPU, SDPA reads each key/value head for its group of query heads (`enable_gqa`). HF's SDPA path copies the keys
 # and values once per query head instead (`repeat_kv`) whenever there is a mask, which the prompt-once layout and
-# padded rows always pass: that copy and its backward's sum over the copies are about 1.5% of a GQA model's update
+# padded rows always pass: that copy and its backward's sum over the copies are about 1% of a GQA model's update
 # (bench/bench_fused.py, the profile in docs/design-notes.md). PyTorch's CPU flash attention takes the mask and the
 # grouped heads together; HF keeps the copy for CUDA, whose fast kernels do not.
 GROUPED_SDPA = "tandem_grouped_sdpa"
