@@ -169,10 +169,9 @@ def _grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     """HF's `sdpa_attention_forward` (same arguments, same result to float rounding) with the grouped heads read in
     place where a mask is passed on CPU; HF's own function everywhere else (no mask: it already passes
     `enable_gqa`; another device; a position bias, a paged cache or attention weights asked for)."""
-    plain = not (kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
-                 or kwargs.get("output_attentions"))
     if (attention_mask is None or query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1
-            or not plain):
+            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
+            or kwargs.get("output_attentions")):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
