@@ -357,7 +357,7 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int, devic
 
 
 def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, engine: str = "hf",
-               kv_cache_dtype: str = "auto", decode_kernel: str = "auto", dtype: str = "float32") -> dict:
+               kv_cache_dtype: str = "model", decode_kernel: str = "auto", dtype: str = "float32") -> dict:
     from tandem.config import load_config
     from tandem.trainer import train
 
@@ -395,7 +395,7 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
 
 
 def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf",
-          kv_cache_dtype: str = "auto", decode_kernel: str = "auto", device: str = "cpu",
+          kv_cache_dtype: str = "model", decode_kernel: str = "auto", device: str = "cpu",
           dtype: str = "float32", round_: int = 0) -> dict:
     """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other). `engine`:
     the framework's rollout engine (hf: TRL's HF generate, tandem's embedded engine; or vllm); `round_`: which of
@@ -446,7 +446,7 @@ def main() -> None:
                     help="where both frameworks run; cuda: the first GPU (not yet run on one), CPU-only tables left out")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="both frameworks' model dtype (bfloat16: TRL's bf16 on, tandem's model.dtype)")
-    ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "both", "auto"], default="float32",
+    ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "both", "model"], default="float32",
                     help="tandem's hf engine's KV cache (rollout.kv_cache_dtype); both: the hf engine twice, each "
                          "cache side by side. Default float32, the reference the x GEMMs targets are stated for")
     ap.add_argument("--decode-kernel", choices=["auto", "native", "torch", "both"], default="auto",
@@ -478,10 +478,10 @@ def main() -> None:
     caches = ["float32", "bfloat16"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
     kernels = ["native", "torch"] if args.decode_kernel == "both" else [args.decode_kernel]
     # vLLM: its own cache dtype (the model's) and attention
-    variants = [(e, kv, a) for e in engines for kv in (caches if e == "hf" else ["auto"])
+    variants = [(e, kv, a) for e in engines for kv in (caches if e == "hf" else ["model"])
                 for a in (kernels if e == "hf" else ["auto"])]
     # (label, framework, tandem's engine, its KV cache dtype, its decode kernel): TRL once, tandem per variant
-    runs = [("trl", "trl", args.trl_engine, "auto", "torch")] if "trl" in args.frameworks else []
+    runs = [("trl", "trl", args.trl_engine, "model", "torch")] if "trl" in args.frameworks else []
     if "tandem" in args.frameworks:
         runs += [("tandem" if len(variants) == 1 else f"tandem-{e}" + ("-bf16kv" if kv == "bfloat16" else "")
                   + ("-torch" if a == "torch" and len(kernels) > 1 else ""), "tandem", e, kv, a)

@@ -84,6 +84,12 @@ def check_supported(cfg) -> None:
                                    ("placement.expert_parallel > 1", pl.expert_parallel > 1),
                                    ("sharded training (FSDP)", parallel)) if on]
     known = SUPPORT.get(kind)
+    if cfg.algo.router_replay and not (known and known.experts):
+        what = (f"{known.name} ({kind!r}), a dense model" if known
+                else f"{kind!r}, an architecture outside the model zoo")
+        raise ConfigError(f"algo.router_replay: true, but model.path is {what}: it has no routers tandem can replay "
+                          f"(those of {', '.join(s.name for s in SUPPORT.values() if s.experts)}); set "
+                          "algo.router_replay: false")
     if pl.schedule == "stream" and kind not in STREAMED:
         name = known.name if known else "an architecture outside the model zoo"
         raise ConfigError(f"placement.schedule: stream decodes with the hf engine's continuous batching, built for "

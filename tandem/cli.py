@@ -89,6 +89,7 @@ def _eval(args) -> int:
     if args.k:
         overrides.append(f"eval.k={args.k}")
     cfg = load_config(args.config, overrides)
+    _refuse_damaged(cfg.model.path, "eval", "evaluate")
     run = start_run(cfg, claim_output_dir=False)  # it writes nothing there, so it never waits on a training run
     try:
         figures = run_eval(run)
@@ -102,16 +103,22 @@ def _eval(args) -> int:
     return 0
 
 
-def _export(args) -> int:
-    from pathlib import Path
-
+def _refuse_damaged(path: str, command: str, verb: str) -> None:
+    """A checkpoint tandem saved is checked as a resume checks it, every byte against its checksums: a flipped bit
+    would otherwise be evaluated or merged into an export silently. A plain model folder has nothing to check."""
     from tandem.run import checkpoint
+
+    damage = checkpoint.damage(Path(path).expanduser()) if path else []
+    if damage:
+        raise ValueError(f"{command}: checkpoint {path} is damaged: {'; '.join(damage)}; {verb} another one")
+
+
+def _export(args) -> int:
+    from tandem.run.directory import refuse_export_into
     from tandem.train.lora import export_merged
 
-    folder = Path(args.checkpoint)
-    damage = checkpoint.problems(folder) if (folder / "trainer_state.json").is_file() else []
-    if damage:  # a flipped bit would be merged into the export silently
-        raise ValueError(f"export: checkpoint {args.checkpoint} is damaged: {'; '.join(damage)}; export another one")
+    _refuse_damaged(args.checkpoint, "export", "export")
+    refuse_export_into(Path(args.checkpoint), Path(args.out))
     print(export_merged(args.checkpoint, args.out, args.base, args.dtype, force=args.force))
     return 0
 
@@ -164,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--base", help="the base model folder, if not where adapter_config.json says (moved since)")
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the merged weights")
-    x.add_argument("--force", action="store_true", help="replace `out` if it exists (refused otherwise)")
+    x.add_argument("--force", action="store_true", help="replace `out` if it exists (refused otherwise); never "
+                   "one that is, holds or is inside a checkpoint, or holds a run or a run's directory in use")
     x.set_defaults(fn=_export)
 
     c = sub.add_parser("config", help="print the resolved config, or the reference of every field (--doc)")
@@ -196,7 +204,9 @@ def _resume_flags(p: argparse.ArgumentParser, otherwise: str) -> None:
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest valid checkpoint in run.output_dir; refused where there is none")
     g.add_argument("--resume-or-start", action="store_true",
-                   help=f"resume, or start a new run where run.output_dir holds none yet (nothing in it); {otherwise}")
+                   help="resume, or where there is no checkpoint start the run, over what a run stopped before its "
+                   "first checkpoint left (metrics, an unfinished save); any other file there is refused. The "
+                   f"command for a job that may be requeued; {otherwise}")
 
 
 def _commands(argv: list[str]) -> tuple[str, str]:

@@ -68,10 +68,22 @@ class RunConfig(Section):
         "TRL's name and meaning: any of tensorboard, wandb, mlflow, trackio, swanlab, or `none` (or []). Each gets "
         "the resolved config as the run's parameters, every metric at its step, the curves image and the final "
         "evaluation, off the training thread; local by default, under run.output_dir (tensorboard/, wandb/ in "
-        "offline mode, mlruns/ as MLflow's file store, trackio/, swanlog/), online where the library's own "
+        "offline mode, mlflow/ as MLflow's SQLite store, trackio/, swanlog/), online where the library's own "
         "variables say (WANDB_MODE, MLFLOW_TRACKING_URI, TRACKIO_DIR, SWANLAB_MODE). A resumed run continues "
-        "the same tracker runs (their ids are in output_dir/trackers.json). One whose library is not installed "
-        "is refused here with its pip command; one that fails mid-run warns once and the run goes on.")
+        "the same tracker runs (their ids are in output_dir/trackers.json), taking back their values of the steps "
+        "it redoes, so that each holds metrics.jsonl's history; where a tracker cannot take them back (wandb, "
+        "MLflow outside its SQL stores) or does not resume (SwanLab offline), the resume opens a new tracker run "
+        "and gives it metrics.jsonl's history first. One whose library is not installed (for MLflow's local store, "
+        "sqlalchemy and alembic too: tandem[mlflow] has them) is refused here with its pip command; one that "
+        "fails or hangs (run.tracker_timeout_s) warns once and the run goes on.")
+    tracker_timeout_s: float = Field(
+        60.0, gt=0.0, description="The longest one call of a tracker may take: its start (its run opened: a "
+        "server's first answer, a local store created), then each call after it (a log, the curves, the close). "
+        "A tracker still in a call by then is left behind with one warning naming it, where it logs and this "
+        "bound, and the run goes on without it (metrics.jsonl holds every metric). A SIGTERM or SIGINT during a "
+        "start stops the wait at once. 60 s is far above a start that works (MLflow creating its SQLite store: "
+        "~3 s; wandb offline: ~1 s); tests/run/test_trackers.py holds the bound against a loopback server that "
+        "accepts and never answers, and a port that refuses.")
     plots: bool = Field(True, description="Write PNG plots of the main curves into output_dir at the end.")
     progress: bool = Field(True, description="Show a progress bar on the console.")
 
@@ -80,11 +92,22 @@ class RunConfig(Section):
     def _trackers(cls, value: Any) -> list[str]:
         from tandem.run.trackers import TRACKERS, missing
 
-        names = [value] if isinstance(value, str) else list(value or [])
+        if value is None:
+            value = []
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"run.report_to: {value!r} is not a tracker's name nor a list of them; use e.g. "
+                              f"run.report_to=[tensorboard,wandb], or none (metrics.jsonl alone); the trackers: "
+                              f"{', '.join(TRACKERS)}")
+        if "none" in names and len(set(names)) > 1:
+            others = [n for n in names if n != "none"]
+            raise ConfigError(f"run.report_to: {list(names)} names none (no tracker) beside {others}; use "
+                              f"run.report_to=none alone, or list the trackers without none")
         names = [n for n in names if n != "none"]
-        unknown = [n for n in names if n not in TRACKERS]
-        if unknown:
-            raise ValueError(f"{unknown} are not trackers tandem logs to; use any of {list(TRACKERS)}, or none")
+        for name in names:
+            if name not in TRACKERS:
+                raise ConfigError(f"run.report_to: {name!r} is not a tracker tandem logs to (those are "
+                                  f"{', '.join(TRACKERS)}; or none){_suggest(name, TRACKERS)}")
         absent = missing(names)
         if absent:
             raise ValueError(f"{absent} named but not installed: pip install "
@@ -204,18 +227,17 @@ class RolloutConfig(Section):
         False, description="Keep sampling past EOS: every completion is max_new_tokens long (stop strings and "
         "stop_token_ids still stop). For benchmarks at a fixed length; training normally wants EOS.",
     )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="The hf engine's KV cache dtype (its lean decoder: Llama-family models on CPU; other "
-        "models keep the model's dtype). `bfloat16` under a float32 model rounds the keys and values once as they "
-        "are stored, so decode attention, which reads every row's cache each step, reads half the bytes; the "
-        "queries are rounded too, the products and the softmax run in float32. It costs a logprob gap between "
-        "sampler and trainer (the `auto` max_logprob_diff then allows bf16's), measured in docs/design-notes.md. "
-        "`auto`: bfloat16 for a float32 model where the processor has native bf16 (AVX-512 BF16, AMX), else the "
-        "model's dtype, which keeps the sampler within float32's gap of the trainer (the tighter sync guard) where "
-        "bf16 is not native (SDPA's bf16 attention is then emulated, ~3x slower than float32's; tandem's C kernel, "
-        "decode_kernel, widens bf16 by a shift and reads a bf16 cache faster than a float32 one on any "
-        "processor, so there bfloat16 is the faster choice, at the gap above). TANDEM_NATIVE_BF16=0 or 1 "
-        "overrides the processor probe. vLLM's cache follows the model's dtype (keep auto).",
+    kv_cache_dtype: Literal["model", "float32", "bfloat16"] = Field(
+        "model", description="The hf engine's KV cache dtype (its lean decoder: Llama-family models on CPU; other "
+        "models keep the model's dtype). `model`: the model's dtype (model.dtype), on every processor, so the "
+        "sampler's logprobs are the trainer's to float rounding. `bfloat16` under a float32 model rounds the keys "
+        "and values once as they are stored, so decode attention, which reads every row's cache each step, reads "
+        "half the bytes; the queries are rounded too, the products and the softmax run in float32. It costs a "
+        "logprob gap between sampler and trainer (the `auto` max_logprob_diff then allows bf16's), measured in "
+        "docs/design-notes.md; it pays where attention is what a step waits on (long contexts) and decodes with "
+        "tandem's C kernel (decode_kernel), which widens bf16 by a shift on any processor (SDPA's bf16 is emulated "
+        "where bf16 is not native, ~3x slower than float32's). `float32`: a float32 cache. vLLM's cache follows "
+        "the model's dtype (keep `model`).",
     )
     decode_kernel: Literal["auto", "native", "torch"] = Field(
         "auto", description="How the hf engine's lean decoder (Llama-family models on CPU) runs a decode step. "
@@ -707,13 +729,26 @@ class Config(Section):
             raise ConfigError("placement.schedule: stream samples single turns for now; env.name multi-turn "
                               "conversations need placement.schedule: async or sync")
 
+    def _stream_only_fields(self) -> None:
+        """The rollout fields only placement.schedule: stream reads: set to anything but their defaults under another
+        schedule, they would do nothing (the defaults pass: a resolved config, `tandem config`'s, holds them all)."""
+        fields = type(self.rollout).model_fields
+        given = [f for f in ("max_in_flight", "partial", "in_flight_weights")
+                 if getattr(self.rollout, f) != fields[f].default]
+        if given:
+            settings = ", ".join(f"rollout.{f}: {getattr(self.rollout, f)}" for f in given)
+            raise ConfigError(f"{settings}: only placement.schedule: stream reads {'it' if len(given) == 1 else 'them'}"
+                              f" (its requests in flight), and this run's schedule is {self.placement.schedule}, where "
+                              f"{'it does' if len(given) == 1 else 'they do'} nothing; remove "
+                              f"{'it' if len(given) == 1 else 'them'}, or set placement.schedule: stream")
+
     @model_validator(mode="after")
     def _engine_checks(self) -> "Config":
         """Settings that only one engine has."""
         r = self.rollout
-        if r.engine == "vllm" and r.kv_cache_dtype != "auto":
+        if r.engine == "vllm" and r.kv_cache_dtype != "model":
             raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} is the hf engine's; vLLM's KV cache "
-                              "follows the model's dtype (model.dtype); set rollout.kv_cache_dtype=auto")
+                              "follows the model's dtype (model.dtype); set rollout.kv_cache_dtype=model")
         if r.engine == "vllm" and r.decode_kernel != "auto":
             raise ConfigError(f"rollout.decode_kernel: {r.decode_kernel} is the hf engine's; vLLM runs its own "
                               "kernels; set rollout.decode_kernel=auto")
@@ -749,6 +784,8 @@ class Config(Section):
                               "one device: there is nothing to overlap); use schedule: sync or mode: split")
         if pl.schedule == "stream":
             self._stream_checks()
+        else:
+            self._stream_only_fields()
         r = self.rollout
         colocated_vllm = pl.backend == "ray" and pl.mode == "colocate" and r.engine == "vllm"
         if colocated_vllm and pl.workers % r.tensor_parallel:

@@ -193,10 +193,13 @@ class Cadence:
         """Open the metrics log; a new run evaluates its starting model first (step 0)."""
         run, r = self.run, self.run.cfg.run
         out = Path(r.output_dir)
-        trackers = Trackers(r.report_to, RunInfo(r.name, r.project, out, run.cfg.model_dump(mode="json")),
-                            resume=run.resumed)
-        self.metrics = MetricsLog(out, run.start_step if run.resumed else None, trackers)
-        if run.start_step == 0:
+        resume_step = run.start_step if run.resumed else None
+        self.metrics = MetricsLog(out, resume_step)
+        info = RunInfo(r.name, r.project, out, run.cfg.model_dump(mode="json"), resume_step, self.metrics.history)
+        # each tracker starts within run.tracker_timeout_s; a SIGTERM or SIGINT meanwhile stops the wait at once
+        self.metrics.trackers = Trackers(r.report_to, info, r.tracker_timeout_s,
+                                         stopping=lambda: run.stop.signum is not None)
+        if run.start_step == 0 and run.stop.signum is None:  # a run told to stop while starting has nothing to do
             first = run_eval(run)
             self.metrics.log(0, first)
             self.summary.update({f"initial_{k}": v for k, v in first.items()})

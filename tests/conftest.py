@@ -9,13 +9,6 @@ import pytest
 import torch
 
 
-# rollout.kv_cache_dtype: auto would round the hf engine's KV cache to bf16 on a processor with native bf16, and the
-# tests that hold its logprobs to a fresh forward's at 1e-5 (or a bad sync to float32's 1e-3 bound) would then hold
-# on some machines only; the suite runs float32 everywhere (in Ray workers and child processes too) and tests the
-# bf16 cache and auto's choice explicitly
-os.environ["TANDEM_NATIVE_BF16"] = "0"
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
     """Tests never write to the home directory: the demo cache goes to a temporary folder."""

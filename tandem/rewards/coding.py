@@ -7,12 +7,13 @@ Row schema (either key, or both):
   string of assert-style Python (e.g. `"assert add(2, 3) == 5"`) run against the solution once it has loaded;
 - `row["test_code"]`: one string of assert-style Python, run against the solution as a single test.
 
-An assert-style test runs in a harness process apart from the program (`sandbox.judge_python`): the harness calls
-the solution's functions and gets plain data back, so nothing the program prints, patches or exits with can pass a
-test for it. The tests' expected values never enter the program's process. The tests see the solution's functions,
-classes and data under their names, as if they ran after it in the same module, except that builtins and modules
-are the harness's own: a `def abs` or a fake `math` of the program's never reaches a test, and a test that uses
-`math` (MBPP's style, relying on the solution's `import math`) gets the harness's import of it.
+An assert-style test runs in a harness process apart from the program (`sandbox.judge_python`): the tests hold
+mirrors of the program's objects, only data crosses, and a program object never judges its relation to the tests'
+values, so nothing the program prints, patches or exits with can pass a test for it. The tests' expected values never
+enter the program's process unless a test passes them to it. The tests see the solution's functions, classes and data
+under their names, read when read, as if they ran after it in the same module, except that builtins and modules are
+the harness's own, and a standard-library name the program redefines (`Counter`, `sqrt`, `pi`) is judged both ways
+(tandem/rewards/README.md, "The code sandbox").
 
 Before the first call (when the reward scorer starts) `preflight` runs the sandbox's self-test and refuses a sandbox
 that cannot run a correct program, or one that is weak (no namespaces) unless `allow_weak_sandbox` says so.

@@ -90,7 +90,7 @@ class HFEngine:
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
-                 model=None, tokenizer=None, device: str | None = None, kv_cache_dtype: str = "auto",
+                 model=None, tokenizer=None, device: str | None = None, kv_cache_dtype: str = "model",
                  decode_kernel: str = "auto"):
         self.tokenizer = tokenizer or load_tokenizer(model_path, trust_remote_code)
         self.model = model if model is not None else load_causal_lm(model_path, dtype, trust_remote_code)
@@ -106,7 +106,7 @@ class HFEngine:
         self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
         # the lean decoder's KV cache dtype (rollout.kv_cache_dtype); the HF forward keeps the model's
         self.kv_dtype = llama_decode.kv_cache_dtype(kv_cache_dtype, next(self.model.parameters()).dtype)
-        if (kv_cache_dtype, decode_kernel) != ("auto", "auto") and not llama_decode.supports(self.model):
+        if (kv_cache_dtype, decode_kernel) != ("model", "auto") and not llama_decode.supports(self.model):
             log.warning("rollout.kv_cache_dtype=%s and decode_kernel=%s apply to the lean decoder (Llama-family "
                         "models on CPU); this model decodes with the HF forward, its cache in the model's dtype",
                         kv_cache_dtype, decode_kernel)

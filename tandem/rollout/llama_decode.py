@@ -13,7 +13,6 @@ over the prompt's and the row's own keys). With `decode_kernel` native the whole
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -51,26 +50,22 @@ def supports(model) -> bool:
 
 
 def native_bf16() -> bool:
-    """The processor converts and multiplies bfloat16 natively (AVX-512 BF16 or AMX): there a bf16 KV cache's
+    """The processor converts and multiplies bfloat16 natively (AVX-512 BF16 or AMX), where a bf16 KV cache's
     attention reads half the bytes at no extra cost. Without it (AVX2) SDPA's bf16 arithmetic is emulated and a
     bf16 cache's attention measured about 3x slower than float32's (`bench/bench_trl.py --kv-cache-dtype both
-    --decode-kernel torch`); tandem's C kernel widens bf16 by a shift and is faster on bf16 anywhere.
-    TANDEM_NATIVE_BF16=0 or 1 overrides the probe (the test suite sets 0, so its numbers do not depend on the
-    machine)."""
-    override = os.environ.get("TANDEM_NATIVE_BF16")
-    if override in ("0", "1"):
-        return override == "1"
+    --decode-kernel torch`); tandem's C kernel widens bf16 by a shift and is faster on bf16 anywhere. Reported by
+    the benchmarks only: no default depends on it (the KV cache is the model's dtype unless bfloat16 is asked for)."""
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported",
                                                                          "_is_amx_tile_supported"))
 
 
 def kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The lean decoder's KV cache dtype for `rollout.kv_cache_dtype` (auto | float32 | bfloat16): `auto` is
-    bfloat16 for a float32 model where the processor has native bf16, else the model's dtype."""
-    if requested == "auto":
-        return torch.bfloat16 if model_dtype == torch.float32 and native_bf16() else model_dtype
+    """The lean decoder's KV cache dtype for `rollout.kv_cache_dtype` (model | float32 | bfloat16): `model` is the
+    model's dtype, on every processor."""
+    if requested == "model":
+        return model_dtype
     if requested not in ("float32", "bfloat16"):
-        raise ValueError(f"kv_cache_dtype {requested!r}: use auto, float32 or bfloat16")
+        raise ValueError(f"kv_cache_dtype {requested!r}: use model, float32 or bfloat16")
     return getattr(torch, requested)
 
 

@@ -110,6 +110,15 @@ def problems(folder: Path) -> list[str]:
     return found + _checksum_problems(folder, found, promised)
 
 
+def damage(folder: Path) -> list[str]:
+    """`problems` of `folder` where it is a checkpoint tandem saved (its trainer state or CHECKSUMS says so), for a
+    command that reads one without resuming it (eval, export); none for any other folder (a Hugging Face model, an
+    export), which records nothing to check its files against."""
+    if (folder / "trainer_state.json").is_file() or (folder / CHECKSUMS).is_file():
+        return problems(folder)
+    return []
+
+
 def unverified(folder: Path) -> str | None:
     """Why the files of checkpoint `folder` cannot be checked against checksums (to warn about), or None."""
     if not (folder / CHECKSUMS).is_file():

@@ -10,16 +10,33 @@ Process tree, inside new mount, network and pid namespaces (and a user namespace
         └── harness  (uid B, not dumpable: runs the tests, compares, writes the verdict)
 
 Only the supervisor and the harness hold the report pipe and only the harness the tests' file: nothing the program
-can read, print or patch reaches the verdict, and values cross from the program to the harness only as plain data
-(see `_PlainUnpickler`), so an object whose `__eq__` is always true stays on the program's side.
+can read, print or patch reaches the verdict. The report is a sequence of framed records (a tag byte, a length, the
+payload), the verdict one JSON record: no text of the program's can shape another record or field. How the tests
+meet the program's objects (only data crosses, through mirrors): judge.py, loaded here before confinement.
 """
 import os
 import sys
 
 (MODE, SRC, TESTS_FD, REPORT_FD, STAGE, UID_A, UID_B, CPU, AS, FSIZE, NOFILE, NPROC, TMPFS_MB, ISOLATE, BINDS,
- PATHS) = sys.argv[1:]
+ PATHS, JUDGE) = sys.argv[1:]
 report = int(REPORT_FD)
 tests_fd = int(TESTS_FD)
+if MODE == "judge":
+    import importlib.util
+    import json
+
+    _spec = importlib.util.spec_from_file_location(
+        "tandem_sandbox_judge", os.path.join(os.path.dirname(os.path.abspath(__file__)), "judge.py"))
+    judge = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(judge)
+    library, packages = (json.loads(JUDGE)[k] for k in ("library", "packages"))
+
+
+def record(tag, payload):
+    """One record on the report pipe: under PIPE_BUF bytes, so the write is atomic."""
+    os.write(report, tag + len(payload[:3000]).to_bytes(4, "little") + payload[:3000])
+
+
 with open(SRC, encoding="utf-8") as f:
     solution_src = f.read()
 binds = []
@@ -166,7 +183,7 @@ if ns and binds:
         if pivoted:  # failed after pivot_root: nothing safe to go on with
             os._exit(70)
 done["uid"] = int(root and uid_a is not None)
-os.write(report, ("status net=%(net)d fs=%(fs)d uid=%(uid)d pid=%(pid)d\n" % done).encode())
+record(b"S", ("net=%(net)d fs=%(fs)d uid=%(uid)d pid=%(pid)d" % done).encode())
 if libc is not None:
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the supervisor's memory and fds are not the program's to read
 
@@ -208,101 +225,7 @@ def close_fds_except(*keep):
                 pass
 
 
-MAX_MESSAGE = 64 << 20
-
-
-def send(sock, obj):
-    import pickle
-
-    data = pickle.dumps(obj, 4)
-    sock.sendall(len(data).to_bytes(8, "little") + data)
-
-
-def recv(sock, loads):
-    def exact(n):
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = sock.recv(min(n - len(buf), 1 << 20))
-            if not chunk:
-                raise EOFError
-            buf += chunk
-        return bytes(buf)
-
-    n = int.from_bytes(exact(8), "little")
-    if n > MAX_MESSAGE:
-        raise ValueError(f"message of {n} bytes")
-    return loads(exact(n))
-
-
 # ---- 4. the program ---------------------------------------------------------------------------------------------
-PLAIN_ATOMS = (type(None), bool, int, float, complex, str, bytes)
-
-
-def plain(v, depth=0):
-    """`v` as plain data (subclasses of builtin containers and scalars become the builtin), or raise TypeError."""
-    if depth > 100:
-        raise TypeError("nested too deep")
-    t = type(v)
-    if t in PLAIN_ATOMS or t is bytearray:
-        return v
-    for base in (bool, int, float, complex, str, bytes):
-        if isinstance(v, base):
-            return base(v) if base is not str else str.__str__(v)
-    if isinstance(v, (list, tuple, set, frozenset)):
-        base = next(b for b in (list, tuple, set, frozenset) if isinstance(v, b))
-        return base(plain(x, depth + 1) for x in v)
-    if isinstance(v, dict):
-        return {plain(k, depth + 1): plain(x, depth + 1) for k, x in v.items()}
-    raise TypeError(type(v).__name__)
-
-
-def serve(sock, g):
-    """Answer the harness: its calls reach the solution's objects; results go back as plain data or as handles."""
-    import pickle
-
-    handles = {}
-
-    def obj(ref):
-        return g[ref[1]] if ref[0] == "g" else handles[ref[1]]
-
-    def encode(v):
-        try:
-            return ("v", plain(v))
-        except TypeError:
-            handles[len(handles)] = v
-            return ("h", len(handles) - 1)
-
-    def arg(a):
-        return obj(a[1]) if a[0] == "r" else a[1]
-
-    while True:
-        try:
-            req = recv(sock, pickle.loads)
-        except (EOFError, OSError):
-            return
-        op, ref = req[0], req[1]
-        try:
-            target = obj(ref)
-            if op == "call":
-                out = target(*[arg(a) for a in req[2]], **{k: arg(a) for k, a in req[3].items()})
-            elif op == "attr":
-                out = getattr(target, req[2])
-            elif op == "list":
-                out = list(target)
-            elif op == "len":
-                out = len(target)
-            elif op == "item":
-                out = target[arg(req[2])]
-            elif op == "bool":
-                out = bool(target)
-            else:
-                raise ValueError(op)
-            reply = encode(out)
-        except BaseException as exc:  # noqa: BLE001 - the harness decides what an exception means
-            reply = ("raise", type(exc).__name__, str(exc)[:300])
-        send(sock, reply)
-
-
 def run_program(sock):
     import builtins
 
@@ -326,25 +249,10 @@ def run_program(sock):
 
         traceback.print_exc()
         flush()
-        send(sock, ("load_error", f"{type(exc).__name__}: {exc}"[:300]))
+        judge.send(sock, ("load_error", f"{type(exc).__name__}: {exc}"[:300]))
         os._exit(1)
-    import types
-
-    names = []  # what the harness may bind of the program (it decides; see tests_namespace)
-    for name, value in list(g.items()):
-        if name.startswith("__"):
-            continue
-        if isinstance(value, types.ModuleType):  # the harness imports its own: only the module's name crosses
-            module_name = getattr(value, "__name__", None)
-            names.append((name, "module", module_name if type(module_name) is str else ""))
-            continue
-        try:
-            names.append((name, "value", plain(value)))
-        except TypeError:
-            names.append((name, "object", None))
     flush()
-    send(sock, ("ready", names))
-    serve(sock, g)
+    judge.serve_program(sock, g)
     flush()
     os._exit(0)
 
@@ -358,160 +266,7 @@ def flush():
 
 
 # ---- 5. the harness ---------------------------------------------------------------------------------------------
-def plain_loads_function():
-    """The harness's `loads`: what the program sends is unpickled into builtin plain data only."""
-    import builtins
-    import io
-    import pickle
-
-    class _PlainUnpickler(pickle.Unpickler):
-        """Builds only builtin plain data: no class of the program's (or anything else) can be named."""
-
-        ALLOWED = {("builtins", "complex"), ("builtins", "bytearray"), ("builtins", "set"), ("builtins", "frozenset")}
-
-        def find_class(self, module, name):
-            if (module, name) in self.ALLOWED:
-                return getattr(builtins, name)
-            raise pickle.UnpicklingError(f"the program sent a {module}.{name}, which is not plain data")
-
-    def loads(data):
-        return _PlainUnpickler(io.BytesIO(data)).load()
-
-    return loads
-
-
-class ProgramGone(Exception):
-    """The program exited, or closed its end of the socket, before answering the harness."""
-
-
-def rpc_function(sock, loads, handle):
-    """The harness's one way to the program: a request over `sock`; back comes plain data, a stand-in for one of
-    the program's objects (`handle(ref)`), or the candidate's exception raised again as a builtin one."""
-    import builtins
-
-    def rpc(*req):
-        try:
-            send(sock, req)
-            reply = recv(sock, loads)
-        except (EOFError, OSError) as exc:
-            raise ProgramGone("the program exited or closed its end before answering") from exc
-        if reply[0] == "v":
-            return reply[1]
-        if reply[0] == "h":
-            return handle(("h", int(reply[1])))
-        if reply[0] == "raise":
-            kind = getattr(builtins, str(reply[1]), None)
-            # Not StopIteration: raised inside map() or filter() it would end the test's iteration early, and
-            # all(map(candidate, cases)) would pass on an empty sequence.
-            if (isinstance(kind, type) and issubclass(kind, Exception)
-                    and not issubclass(kind, (StopIteration, StopAsyncIteration))):
-                raise kind(str(reply[2]))
-            raise RuntimeError(f"the candidate raised {reply[1]}: {reply[2]}")
-        raise ValueError(f"malformed reply {reply!r:.80}")
-
-    return rpc
-
-
-def remote_class(sock, loads):
-    """The class of the harness's stand-ins for the program's objects: each use of one is a call over `sock`
-    (`rpc_function`)."""
-
-    def enc(a):
-        if isinstance(a, Remote):
-            return ("r", a._ref)
-        return ("v", plain(a))
-
-    class Remote:
-        """One of the program's objects: callable, its attributes and items reachable; never equal to a value."""
-
-        __slots__ = ("_ref",)
-
-        def __init__(self, ref):
-            self._ref = ref
-
-        def __call__(self, *args, **kwargs):
-            return rpc("call", self._ref, [enc(a) for a in args], {k: enc(v) for k, v in kwargs.items()})
-
-        def __getattr__(self, name):
-            if name.startswith("__") and name.endswith("__"):
-                raise AttributeError(name)
-            return rpc("attr", self._ref, name)
-
-        def __iter__(self):
-            return iter(rpc("list", self._ref))
-
-        def __len__(self):
-            return rpc("len", self._ref)
-
-        def __getitem__(self, key):
-            return rpc("item", self._ref, enc(key))
-
-        def __bool__(self):
-            return bool(rpc("bool", self._ref))
-
-        def __repr__(self):
-            return "<an object of the program's>"
-
-    rpc = rpc_function(sock, loads, Remote)
-    return Remote
-
-
-def tests_namespace(program_names, tests_src, Remote):
-    """The globals the tests run in. Of the program they see its functions, classes and other objects as handles
-    (`Remote`) and its plain data as values, never a name of a builtin: `abs`, `len`, `set` in the tests are the
-    harness's own. Every module is the harness's own import: an alias the program imported (`import numpy as np`)
-    is the harness's import of the same module, a module name the tests use as one (`math.isclose(...)`) is the
-    harness's `math` whatever the program bound to that name, and one the tests name without importing it (MBPP's
-    tests use the solution's `import math`) is imported for them. Only the standard library and the allowed
-    packages can be imported here, and a module the program names that cannot be is left out (a test using it
-    fails)."""
-    import ast
-    import builtins
-    import importlib
-    import importlib.util
-
-    def harness_import(module_name):
-        top = module_name.partition(".")[0]
-        try:
-            if top.isidentifier() and (top in sys.stdlib_module_names or importlib.util.find_spec(top)):
-                return importlib.import_module(module_name)
-        except Exception:  # noqa: BLE001 - not importable here: the name stays unbound
-            pass
-        return None
-
-    try:
-        nodes = list(ast.walk(ast.parse(tests_src)))
-    except (SyntaxError, ValueError):
-        nodes = []  # the tests do not compile: exec reports it
-    used = {n.id for n in nodes if isinstance(n, ast.Name)}
-    used_as_module = {n.value.id for n in nodes if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
-    builtin_names = set(vars(builtins))
-    ns = {"__name__": "__tandem_tests__", "__builtins__": builtins}
-    for name, kind, value in program_names:
-        name = str(name)
-        if not name.isidentifier() or name.startswith("__") or name in builtin_names:
-            continue
-        if kind == "value":
-            ns[name] = value
-        elif kind == "object":
-            ns[name] = Remote(("g", name))
-        elif kind == "module":
-            module = harness_import(str(value))
-            if module is not None:
-                ns[name] = module
-    for name in sorted(used - builtin_names):
-        if name in used_as_module or name not in ns:
-            module = harness_import(name)
-            if module is not None:
-                ns[name] = module
-    return ns
-
-
 def run_harness(sock):
-    import pickle
-
-    loads = plain_loads_function()
-    Remote = remote_class(sock, loads)
     close_fds_except(sock.fileno(), report, tests_fd)
     confine(uid_b, "/")
     sys.path[:] = [p for p in sys.path if p] + extra_paths  # the allowed packages, for the tests' own imports
@@ -519,26 +274,8 @@ def run_harness(sock):
         libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     with os.fdopen(tests_fd, encoding="utf-8") as f:
         tests_src = f.read()
-
-    def verdict(passed, reason=""):
-        line = ("verdict %d %s" % (passed, reason.replace("\n", " ")[:400])).strip() + "\n"
-        os.write(report, line.encode("utf-8", "replace"))
-
-    try:
-        first = recv(sock, loads)
-    except (EOFError, OSError, pickle.UnpicklingError, ValueError) as exc:
-        verdict(0, f"the program exited before the tests ran ({type(exc).__name__})")
-        return
-    if first[0] != "ready":
-        verdict(0, f"the solution did not load: {first[1] if len(first) > 1 else first!r}")
-        return
-    ns = tests_namespace(first[1], tests_src, Remote)
-    try:
-        exec(compile(tests_src, "tests.py", "exec"), ns)
-    except BaseException as exc:  # noqa: BLE001 - any way out of the tests but their end is a failure
-        verdict(0, f"{type(exc).__name__}: {exc}")
-    else:
-        verdict(1)
+    judge.run_harness(sock, solution_src, tests_src, library, packages,
+                      lambda passed, reason, conflicts: record(b"V", judge.verdict_record(passed, reason, conflicts)))
 
 
 # ---- 6. the supervisor ------------------------------------------------------------------------------------------
@@ -571,7 +308,7 @@ else:
         run_program(None)
         sys.exit(0)  # normal interpreter exit: flush output, run the program's atexit hooks
     status = wait_status(program)
-os.write(report, ("exit %d\n" % status).encode())
+record(b"E", b"%d" % status)
 if done["pid"]:
     try:
         os.kill(-1, 9)  # pid 1 of its namespace: every process left in it

@@ -21,11 +21,12 @@ then not contained, and the `code` reward refuses to run unless told `allow_weak
 
 Judging assert-style tests (`judge_python`): the program and the tests run in two processes with different uids (or,
 without root, the harness not dumpable and the program without capabilities). The harness holds the tests and the only
-channel the verdict travels on; it calls the program's functions over a socket and gets plain data back (None, bool,
-numbers, str, bytes, and lists, tuples, sets and dicts of them), anything else as an opaque handle that equals nothing.
-So an early `sys.exit(0)`, a printed verdict, a patched `builtins` or `AssertionError`, an `atexit` hook, `os._exit`
-after a fake success line, or a result whose `__eq__` is always true cannot pass a test: there is no secret to read and
-nothing the program does in its own process reaches the harness. `boot.py` is the confined side.
+channel the verdict travels on (one framed JSON record on the report pipe); the program's objects reach the tests as
+mirrors over a socket, only data crosses, and a program object never judges its relation to a value of the tests
+(`judge.py`). So an early `sys.exit(0)`, a printed verdict, a verdict shaped in an exception's text, a patched
+`builtins` or `AssertionError`, an `atexit` hook, `os._exit` after a fake success line, or a result whose `__eq__`,
+`__lt__`, `__contains__` or `__sub__` always says yes cannot pass a test: there is no secret to read and nothing the
+program does in its own process reaches the harness. `boot.py` is the confined side.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")  # the confined side
@@ -116,6 +117,7 @@ class SandboxResult:
     isolation: dict[str, int] = field(default_factory=dict)
     passed: bool | None = None  # judge_python: the harness's verdict (None for run_python)
     reason: str = ""  # judge_python: why a test did not pass
+    library: tuple[str, ...] = ()  # judge_python: library names the program redefined, judged both ways
 
     @property
     def ok(self) -> bool:
@@ -242,8 +244,24 @@ def _sweep(uid: int, rounds: int = 20) -> None:
         time.sleep(0.005)
 
 
-def _user_process_count() -> int:
-    return len(_uid_processes(os.getuid())) if os.path.isdir("/proc") else 0
+def _user_task_count() -> int:
+    """The threads the calling user runs now, all processes together: RLIMIT_NPROC counts threads of the real uid,
+    not processes (a trainer's thread pools, a numpy program's BLAS threads), so a limit of processes + headroom
+    would leave a sandbox no room to start a thread."""
+    if not os.path.isdir("/proc"):
+        return 0
+    uid, total = os.getuid(), 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                fields = dict(line.split(b":", 1) for line in f if line.startswith((b"Uid:", b"Threads:")))
+            if int(fields[b"Uid"].split()[0]) == uid:
+                total += int(fields[b"Threads"])
+        except (OSError, KeyError, ValueError, IndexError):
+            continue
+    return total
 
 
 def _read_capped(path: str, cap: int) -> bytes:
@@ -268,8 +286,18 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimi
 def judge_python(solution: str, tests: str, limits: SandboxLimits = SandboxLimits(), *, isolate: bool = True,
                  python: str | None = None, packages: Sequence[str] = ()) -> SandboxResult:
     """Run `solution`, then the assert-style `tests` against its top-level names in a separate harness process;
-    `passed` is the harness's verdict (see the module docstring for why the program cannot forge it)."""
-    return _launch(solution, tests, "", limits, isolate, python, tuple(packages))
+    `passed` is the harness's verdict (see the module docstring for why the program cannot forge it).
+
+    Where the program defines a name the tests read that also names a standard-library function or constant the
+    tests may rely on (`Counter`, `sqrt`, `pi`: judge.LIBRARY_NAMES), a passing verdict is checked by a second run
+    with the tests reading the library's instead: the tests must pass both ways."""
+    first = _launch(solution, tests, "", limits, isolate, python, tuple(packages))
+    if not (first.passed and first.library):
+        return first
+    second = _launch(solution, tests, "", limits, isolate, python, tuple(packages), first.library)
+    reason = "" if second.passed else (f"with the standard library's {', '.join(first.library)} (the program defines "
+                                       f"its own) the tests fail: {second.reason}")
+    return replace(second, wall_s=first.wall_s + second.wall_s, reason=reason, library=first.library)
 
 
 def _write_run_folder(tmp: str, source: str, tests: str | None, stdin: str, binds: str, uid_a: int | None) -> int:
@@ -296,32 +324,49 @@ def _write_run_folder(tmp: str, source: str, tests: str | None, stdin: str, bind
     return tests_fd
 
 
-def _read_report(report_r: int) -> str:
+def _read_report(report_r: int) -> bytes:
     fcntl.fcntl(report_r, fcntl.F_SETFL, os.O_NONBLOCK)  # a leftover process may hold the write end open
-    try:
-        return os.read(report_r, 1 << 16).decode("utf-8", "replace")
-    except BlockingIOError:
-        return ""
+    data = b""
+    while len(data) < 1 << 16:
+        try:
+            chunk = os.read(report_r, 1 << 16)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
-def _parse_report(report: str, judging: bool, returncode: int) -> tuple[dict[str, int], int, bool | None, str]:
-    """The boot's report: (isolation flags, the exit code to report, the harness's verdict, its reason). A judged
-    run keeps `returncode`, the boot's own."""
+def _parse_report(report: bytes, judging: bool, returncode: int
+                  ) -> tuple[dict[str, int], int, bool | None, str, tuple[str, ...]]:
+    """The boot's report, framed records (boot.record): (isolation flags, the exit code to report, the harness's
+    verdict, its reason, the library names it asks to judge again). A judged run keeps `returncode`, the boot's own.
+    Only the first verdict counts; the records are written by the supervisor and the harness alone."""
     isolation: dict[str, int] = {}
-    passed, reason = None, ""
-    for line in report.splitlines():
-        word, _, rest = line.partition(" ")
-        if word == "status":
-            for item in rest.split():
+    passed, reason, library = None, "", ()
+    pos = 0
+    while pos + 5 <= len(report):
+        tag, size = report[pos:pos + 1], int.from_bytes(report[pos + 1:pos + 5], "little")
+        payload = report[pos + 5:pos + 5 + size]
+        pos += 5 + size
+        if len(payload) < size:
+            break
+        if tag == b"S":
+            for item in payload.decode("ascii", "replace").split():
                 key, _, value = item.partition("=")
                 isolation[key] = int(value == "1")
-        elif word == "exit" and rest.strip().lstrip("-").isdigit():
-            status = int(rest)
-            returncode = os.waitstatus_to_exitcode(status) if not judging else returncode
-        elif word == "verdict":
-            flag, _, reason = rest.partition(" ")
-            passed = flag == "1"
-    return isolation, returncode, passed, reason
+        elif tag == b"E" and payload.lstrip(b"-").isdigit():
+            returncode = os.waitstatus_to_exitcode(int(payload)) if not judging else returncode
+        elif tag == b"V" and passed is None:
+            try:
+                verdict = json.loads(payload)
+                passed = verdict["passed"] is True
+                reason = str(verdict["reason"])
+                library = tuple(n for n in verdict["library"] if isinstance(n, str) and n.isidentifier())
+            except (ValueError, KeyError, TypeError):
+                passed, reason = False, "the harness's verdict could not be read"
+    return isolation, returncode, passed, reason, library
 
 
 def _run_boot(command: list[str], files: tuple[str, str, str], cwd: str, pass_fds: tuple[int, ...],
@@ -348,7 +393,7 @@ def _run_boot(command: list[str], files: tuple[str, str, str], cwd: str, pass_fd
 
 
 def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, isolate: bool, python: str | None,
-            packages: tuple[str, ...]) -> SandboxResult:
+            packages: tuple[str, ...], library: tuple[str, ...] = ()) -> SandboxResult:
     python = python or _interpreter()
     root = os.geteuid() == 0
     uid_a = _fresh_uid() if (root and isolate) else None
@@ -363,17 +408,18 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
         work, src, binds_path = (os.path.join(tmp, n) for n in ("work", "solution.py", "binds"))
         in_path, out_path, err_path = (os.path.join(tmp, n) for n in ("stdin", "stdout", "stderr"))
         report_r, report_w = os.pipe()
-        nproc = limits.nproc if root else _user_process_count() + limits.nproc
+        nproc = limits.nproc if root else _user_task_count() + limits.nproc
         args = ["judge" if tests is not None else "run", src, str(tests_fd), str(report_w), tmp,
                 "-" if uid_a is None else str(uid_a), "-" if uid_b is None else str(uid_b), str(int(limits.cpu_s)),
                 str(limits.memory_mb << 20), str(limits.output_bytes), str(limits.nofile), str(nproc),
                 str(limits.tmpfs_mb), "1" if isolate else "0", binds_path if binds else "-",
-                "\0".join(paths) if paths else "-"]
+                "\0".join(paths) if paths else "-", json.dumps({"library": list(library), "packages": list(packages)})]
         exit_code, timed_out, wall = _run_boot([python, "-I", "-S", BOOT, *args], (in_path, out_path, err_path), work,
                                                (tests_fd, report_w), limits.wall_s)
         os.close(report_w)
         report_w = -1
-        isolation, returncode, passed, reason = _parse_report(_read_report(report_r), tests is not None, exit_code)
+        isolation, returncode, passed, reason, conflicts = _parse_report(_read_report(report_r), tests is not None,
+                                                                         exit_code)
         if uid_a is not None and not isolation.get("pid"):  # a pid namespace's processes all died with its pid 1
             for uid in (uid_a, uid_b):
                 _sweep(uid)
@@ -387,7 +433,8 @@ def _launch(source: str, tests: str | None, stdin: str, limits: SandboxLimits, i
         err = _read_capped(err_path, limits.output_bytes + 256)
         return SandboxResult(returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), timed_out,
                              wall, uid_a if isolation.get("uid") else None, isolation,
-                             passed if not timed_out else False if tests is not None else None, reason)
+                             passed if not timed_out else False if tests is not None else None, reason,
+                             conflicts if passed and not timed_out else ())
     finally:
         for fd in (report_r, report_w, tests_fd):
             if fd >= 0:

@@ -208,7 +208,8 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, dtype: str
                   force: bool = False) -> Path:
     """A LoRA checkpoint as a plain Hugging Face folder: its adapter merged into the base model (the folder its
     adapter_config.json names, or `base`), saved with the checkpoint's tokenizer; loadable by transformers and vLLM.
-    An existing `out` is refused unless `force`; the folder is written beside it and renamed into place, so `out`
+    An existing `out` is refused unless `force` (the CLI refuses, before this, an `out` that holds the checkpoint or
+    a run: tandem.run.directory.refuse_export_into); the folder is written beside it and renamed into place, so `out`
     is never half written (a kill leaves the old one, or none, and a hidden `.NAME.tmp-PID` folder)."""
     import json
     import os

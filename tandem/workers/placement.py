@@ -174,7 +174,8 @@ def build(cfg: Config) -> Placement:
         # run's leftovers then never collide with the next start
         shm_ident = f"tandem-{uuid.uuid4().hex[:12]}"
         worker = functools.partial(HybridWorker, cfg, shm_ident=shm_ident)
-        (group,) = start_groups([GroupSpec("hybrid", worker, pl.workers, **res, resources=pl.train_resources)],
+        (group,) = start_groups([GroupSpec("hybrid", worker, pl.workers, **res, resources=pl.train_resources,
+                                           resources_from="placement.train_resources")],
                                 address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
         tp = cfg.rollout.tensor_parallel if cfg.rollout.engine == "vllm" else 1
         placement = Placement(group, group, split=False, groups=[group], engine_tp=tp)
@@ -189,9 +190,9 @@ def build(cfg: Config) -> Placement:
     # make); weights reach them over a channel of their own, for every engine alike.
     trainers, samplers = start_groups(
         [GroupSpec("trainers", functools.partial(TrainWorker, cfg), pl.train_workers, **res,
-                   resources=pl.train_resources),
+                   resources=pl.train_resources, resources_from="placement.train_resources"),
          GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res, join_world=False,
-                   resources=pl.rollout_resources)],
+                   resources=pl.rollout_resources, resources_from="placement.rollout_resources")],
         address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
     placement = Placement(trainers, samplers, split=True, groups=[trainers, samplers])
     try:

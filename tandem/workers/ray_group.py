@@ -1,10 +1,12 @@
 """The `ray` worker-group backend: workers as Ray actors in placement groups, joined by one torch.distributed world."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -18,6 +20,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tandem.util.net import free_address
 from tandem.workers.group import Method, WorkerContext, WorkerError, method_name
+
+log = logging.getLogger("tandem.workers.ray_group")
 
 CLOSE_TIMEOUT_S = 10.0  # a worker's close() is best effort: a hung one must not hang shutdown
 FAILURE_GRACE_S = 2.0  # after a first failure, how long the other workers' outcomes may take to arrive
@@ -93,6 +97,7 @@ def _init_ray(ray: Any, address: str | None, num_cpus: float | None, num_gpus: i
                  # Ray would pre-start one idle worker per CPU, which our actors never use (their runtime_env
                  # differs): seconds of CPU on a small machine for nothing.
                  _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
+        _start_reaper()
 
 
 def _release_ray() -> None:
@@ -102,6 +107,36 @@ def _release_ray() -> None:
         _ray_users -= 1
         if _ray_users == 0:
             ray.shutdown()
+            _stop_reaper()
+
+
+# A controller killed outright (SIGKILL, the OOM killer) leaves the raylet's dashboard and runtime-env agents holding
+# their loopback ports for about 60 s; tandem starts ray_reaper.py beside its own Ray to end them (it says why and how).
+REAPER = Path(__file__).with_name("ray_reaper.py")
+_reaper: Any = None  # the reaper of the Ray this module started (subprocess.Popen), while it runs
+
+
+def _start_reaper() -> None:
+    global _reaper
+    if not Path("/proc/self/stat").exists():  # Linux's /proc is how it finds the node's processes
+        return
+    # a session of its own: a terminal's Ctrl-C to the controller's process group must not end it before its time
+    _reaper = subprocess.Popen([sys.executable, "-I", str(REAPER)], stdin=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop_reaper() -> None:
+    """Ray was shut down in order: the reaper exits without killing anything."""
+    global _reaper
+    if _reaper is None:
+        return
+    reaper, _reaper = _reaper, None
+    try:
+        reaper.stdin.write(b"shut down")
+        reaper.stdin.close()
+        reaper.wait(timeout=10)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        reaper.kill()
 
 
 # ---------------------------------------------------------------- what runs inside each actor
@@ -185,6 +220,12 @@ class GroupSpec:
     # Ray custom resources each worker reserves beside its CPUs and GPUs (in its placement bundle): only nodes that
     # have them can hold it, which is how a group goes to chosen nodes, e.g. {"trainer_node": 1}
     resources: dict[str, float] = field(default_factory=dict)
+    resources_from: str = "resources"  # the setting they come from, for messages (placement.train_resources)
+
+
+class PlacementError(ValueError):
+    """The Ray cluster cannot hold the workers asked for: none started, so the run trained and saved nothing. A
+    ValueError, as a config's are: the command line reports it in one line, with no --resume to suggest."""
 
 
 class _Gang:
@@ -573,6 +614,7 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
     gang = _Gang(owns)
     placements: list[Any] = []
     try:
+        _check_resources(specs, fixed=owns and address is None)
         _place(specs, placement_timeout_s, placements)
         _start_actors(gang, specs, placements, call_timeout_s, runtime_env)
         _set_up(gang, specs, backend, pg_timeout_s, setup_timeout_s)
@@ -617,8 +659,30 @@ def _place(specs: list[GroupSpec], timeout_s: float, placements: list[Any]) -> N
     ready, _ = ray.wait([p.ready() for p in placements], num_returns=len(placements), timeout=timeout_s)
     if len(ready) != len(placements):
         asked = "; ".join(f"{s.name}: {s.size} x {bundles[s.name]}" for s in specs)
-        raise WorkerError(f"could not place {asked} within {timeout_s:.0f} s; the cluster has "
-                          f"{ray.available_resources()} free")
+        raise PlacementError(f"could not place {asked} within {timeout_s:.0f} s; the cluster has "
+                             f"{ray.available_resources()} free. No worker started: this run trained and saved "
+                             "nothing")
+
+
+def _check_resources(specs: list[GroupSpec], fixed: bool) -> None:
+    """A custom resource that no live node has enough of for one worker: refused at once where the cluster's nodes
+    are `fixed` (the Ray tandem started on this machine), before any wait; on a cluster of one's own, warned about,
+    and then waited for (an autoscaler may yet add a node that has it)."""
+    ray = import_ray()
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    for s in specs:
+        lacking = {k: v for k, v in s.resources.items() if not any(node.get(k, 0) >= v for node in nodes)}
+        if not lacking:
+            continue
+        custom = sorted({k for node in nodes for k in node if k not in ("CPU", "GPU", "memory", "object_store_memory")})
+        what = (f"{s.resources_from}: {lacking} (each {s.name} worker's), but no node of the Ray cluster has "
+                f"{'that' if len(lacking) == 1 else 'those'}; its nodes have {custom or 'no custom resources'}")
+        if fixed:
+            raise PlacementError(f"{what}. The Ray tandem starts on this machine has no custom resource but its "
+                                 f"node's own: start a cluster whose nodes have it (ray start --resources=...) and set "
+                                 f"placement.ray_address, or remove it from {s.resources_from}. No worker started: "
+                                 "this run trained and saved nothing")
+        log.warning("%s; waiting for one that has (an autoscaler may add it)", what)
 
 
 def _start_actors(gang: _Gang, specs: list[GroupSpec], placements: list[Any], call_timeout_s: float | None,

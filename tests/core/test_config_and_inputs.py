@@ -108,6 +108,64 @@ def test_impossible_arithmetic_is_refused(overrides, message):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["run.report_to=5"], r"run\.report_to: 5 is not a tracker's name nor a list of them; use e\.g\. "
+     r"run\.report_to=\[tensorboard,wandb\], or none"),
+    (["run.report_to=[wandb, 3]"], r"run\.report_to: \['wandb', 3\] is not a tracker's name nor a list of them"),
+    (["run.report_to=[none, wandb]"], r"run\.report_to: \['none', 'wandb'\] names none \(no tracker\) beside "
+     r"\['wandb'\]; use run\.report_to=none alone, or list the trackers without none"),
+    (["run.report_to=[tensorbord]"], r"run\.report_to: 'tensorbord' is not a tracker tandem logs to \(those are "
+     r"tensorboard, wandb, mlflow, trackio, swanlab; or none\); did you mean 'tensorboard'\?"),
+    (["rollout.max_in_flight=8"], r"rollout\.max_in_flight: 8: only placement\.schedule: stream reads it \(its "
+     r"requests in flight\), and this run's schedule is sync, where it does nothing; remove it, or set "
+     r"placement\.schedule: stream"),
+    (["rollout.partial=drop", "rollout.in_flight_weights=false"], r"rollout\.partial: drop, "
+     r"rollout\.in_flight_weights: False: only placement\.schedule: stream reads them .* remove them"),
+    (["placement.backend=ray", "placement.mode=split", "placement.schedule=async", "rollout.partial=drop"],
+     r"rollout\.partial: drop: only placement\.schedule: stream reads it .* this run's schedule is async"),
+])
+def test_a_setting_that_would_do_nothing_or_names_no_tracker_is_refused(overrides, message):
+    """Each was accepted and then did nothing (a tracker list mixing none with trackers, the stream schedule's
+    fields under another schedule), or was a TypeError's traceback (run.report_to=5), or named no tracker without
+    the nearest one."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    stream = load_config(None, ["placement.schedule=stream", "rollout.max_in_flight=8", "rollout.partial=drop"])
+    assert (stream.rollout.max_in_flight, stream.rollout.partial) == (8, "drop")  # where they are read
+    # their defaults pass under any schedule: a resolved config (`tandem config`'s) holds every field
+    resolved = load_config(None, ["rollout.partial=resume"]).model_dump(mode="json")
+    assert load_config(None, [f"rollout.{k}={json.dumps(v)}" for k, v in resolved["rollout"].items()
+                              if k in ("max_in_flight", "partial", "in_flight_weights")]).placement.schedule == "sync"
+
+
+def test_a_report_to_of_the_wrong_type_exits_2_naming_the_field(capsys):
+    from tandem.cli import main
+
+    assert main(["config", "run.report_to=5"]) == 2  # was a TypeError traceback, rc 1
+    err = capsys.readouterr().err
+    assert "run.report_to: 5 is not a tracker's name" in err and "Traceback" not in err, err
+
+
+def test_router_replay_on_a_dense_model_is_refused_before_models_load(tiny_model, tmp_path, monkeypatch, capsys):
+    """The config cannot know the architecture; the model folder's config.json can (tandem.architectures), and is
+    read before any model loads. A mixture of experts tandem knows the routers of takes it."""
+    from tandem import trainer
+    from tandem.architectures import check_supported
+    from tandem.cli import main
+
+    monkeypatch.setattr(trainer.placement, "build", lambda cfg: pytest.fail("models loaded before the refusal"))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model:\n  path: {tiny_model}\nrun:\n  output_dir: {tmp_path / 'out'}\n")
+    assert main(["train", str(cfg), "algo.router_replay=true"]) == 2
+    err = capsys.readouterr().err
+    assert ("algo.router_replay: true, but model.path is Qwen2 / Qwen2.5 ('qwen2'), a dense model: it has no routers "
+            "tandem can replay (those of Qwen3-MoE, Mixtral); set algo.router_replay: false") in err, err
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))
+    check_supported(load_config(None, [f"model.path={moe}", "algo.router_replay=true"]))  # an MoE: accepted
+
+
 def test_missing_model_folder(tmp_path):
     with pytest.raises(ModelFolderError, match="is not a folder"):
         check_model_folder(str(tmp_path / "nope"))
@@ -221,17 +279,35 @@ def test_flags_and_overrides_in_any_order(argv, config, overrides, flags):
     assert {k: getattr(args, k) for k in flags} == flags
 
 
-def test_the_logprob_guard_allows_a_bf16_kv_caches_rounding_where_the_cache_is_bf16(monkeypatch):
-    """`max_logprob_diff: auto` is float32's 1e-3 only where the hf engine's KV cache stays float32: an explicit
-    bfloat16 cache, or `auto` on a processor with native bf16, gets bf16's 5e-2 (its measured gap is above 1e-3)."""
+def test_the_default_kv_cache_is_the_models_dtype_where_the_processor_has_native_bf16(monkeypatch, tiny_model):
+    """Defaults give the same numerics on every processor: the hf engine's KV cache follows the model's dtype unless
+    a config asks for bfloat16. (`auto` picked bf16 for a float32 model where bf16 is native: on a 30-layer float32
+    checkpoint the sampler then stood 4.7e-3..6.1e-3 per token off the trainer, worst token 0.17, against 2.7e-6..
+    3.0e-6 with a float32 cache.) Native bf16 reported as the old code asked for it, by variable and by probe."""
+    from tandem.rollout import llama_decode
+    from tandem.rollout.hf import HFEngine
+
+    monkeypatch.setenv("TANDEM_NATIVE_BF16", "1")
+    monkeypatch.setattr(llama_decode, "native_bf16", lambda: True, raising=False)
+    rollout = load_config(None, []).rollout
+    assert llama_decode.kv_cache_dtype(rollout.kv_cache_dtype, torch.float32) == torch.float32
+    assert llama_decode.kv_cache_dtype(rollout.kv_cache_dtype, torch.bfloat16) == torch.bfloat16
+    assert not rollout.kv_cache_rounds("float32") and rollout.logprob_diff_bound("float32") == 1e-3
+    # the engine as a worker builds it from the config, and as the demo's warm start builds it (its own default)
+    assert HFEngine(str(tiny_model), kv_cache_dtype=rollout.kv_cache_dtype).kv_dtype == torch.float32
+    assert HFEngine(str(tiny_model)).kv_dtype == torch.float32
+
+
+def test_the_logprob_guard_allows_a_bf16_kv_caches_rounding_where_the_cache_is_bf16():
+    """`max_logprob_diff: auto` is float32's 1e-3 only where the hf engine's KV cache stays float32: a bfloat16
+    cache (asked for) gets bf16's 5e-2 (its measured gap is above 1e-3)."""
     from tandem.rollout import llama_decode
 
     bound = lambda *o: load_config(None, list(o)).rollout.logprob_diff_bound("float32")  # noqa: E731
-    monkeypatch.setattr(llama_decode, "native_bf16", lambda: False)
     assert bound() == 1e-3 and bound("rollout.kv_cache_dtype=float32") == 1e-3
     assert bound("rollout.kv_cache_dtype=bfloat16") == 5e-2
-    monkeypatch.setattr(llama_decode, "native_bf16", lambda: True)
-    assert bound() == 5e-2 and bound("rollout.kv_cache_dtype=float32") == 1e-3
     assert bound("rollout.engine=vllm") == 1e-3  # vLLM's cache is the model's dtype
-    assert llama_decode.kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert llama_decode.kv_cache_dtype("model", torch.bfloat16) == torch.bfloat16
     assert bound("rollout.max_logprob_diff=0.5", "rollout.kv_cache_dtype=bfloat16") == 0.5
+    with pytest.raises(ConfigError, match=r"rollout\.kv_cache_dtype: .*'model', 'float32' or 'bfloat16'"):
+        load_config(None, ["rollout.kv_cache_dtype=auto"])  # gone: it meant bf16 on some processors only

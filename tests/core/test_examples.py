@@ -29,3 +29,31 @@ def test_the_demo_builds_the_model_a_preset_names(monkeypatch):
     assert built == [demo.MoEDemoSpec(), demo.DemoModelSpec(), "tools"]
     with pytest.raises(ConfigError, match="'demo:gpt_oss' names no demo model; the demo builds demo:qwen3_moe"):
         _demo_model(load_config(None, ["model.path=demo:gpt_oss"], DEMO_DEFAULTS))
+
+
+def test_the_warm_start_stops_on_its_samples_not_on_one_greedy_check(monkeypatch):
+    """A greedy check past warm_target_agreement does not stop the demo's warm start while its samples at
+    temperature 1 are not the teacher's answers: greedy agreement flips from check to check (an argmax over a near
+    tie), so float rounding moved the first check past it (the MoE model's from step 675 with PyTorch's AVX2 kernels
+    to 375 with its AVX-512 ones, where GRPO then ended at 0.83 instead of ~1)."""
+    from dataclasses import replace
+
+    import tandem.demo as demo
+    from tandem.data import arithmetic
+
+    spec = demo.DemoModelSpec(hidden_size=32, layers=1, intermediate_size=64, warm_batch=4, warm_max_steps=200)
+    tokenizer = demo.build_tokenizer(arithmetic.corpus(), spec.vocab_size)
+    monkeypatch.setattr(demo, "greedy_answers", lambda model, tok, rows: [r["answer"] for r in rows])  # always agrees
+    checks = []
+
+    def sampled(model, tok, rows, n, temperature=1.0, seed=0):  # noise at the first two checks, then the teacher's
+        checks.append((n, temperature))
+        return [[r["answer"] if len(checks) > 2 else "x"] * n for r in rows]
+
+    monkeypatch.setattr(demo, "sampled_answers", sampled)
+    assert demo.warm_start(demo.build_model(spec, tokenizer), tokenizer, spec) == (1.0, 1.0, 1.0, 75)
+    assert checks == [(4, 1.0)] * 3
+    checks.clear()
+    alone = replace(spec, warm_target_sampled_agreement=0.0)  # greedy agreement alone: its first check stops it
+    assert demo.warm_start(demo.build_model(alone, tokenizer), tokenizer, alone) == (1.0, 1.0, None, 25)
+    assert checks == []

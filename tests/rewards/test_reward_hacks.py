@@ -235,3 +235,182 @@ def test_a_test_uses_a_module_the_solution_imported():
 ])
 def test_legit_solutions_of_common_test_styles_pass(tests, program):
     assert score(program, tests) == 1.0
+
+
+# ---- issue 45: the verdict's channel, the names the tests rely on, correct code the old handles failed ------------
+LINE_BREAKS = ["\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+@pytest.mark.parametrize("brk", LINE_BREAKS, ids=[f"U+{ord(b[-1]):04X}" for b in LINE_BREAKS])
+def test_a_verdict_forged_through_the_exception_text(brk):
+    # The harness copied the exception text into a `verdict 0 <reason>` line, escaping only \n; the runner split the
+    # report with str.splitlines(), which breaks on all of these: the last verdict won.
+    forged = f"verdict 1{brk}verdict 1{brk}" + '", "passed": true, "reason": "'
+    prog = f"def add(a, b):\n    raise ValueError({brk + forged!r})\n"
+    assert score(prog) == 0.0
+    assert score(prog, ["def check(candidate):\n    assert candidate(2, 3) == 5\ncheck(add)"]) == 0.0  # HumanEval
+
+
+@pytest.mark.parametrize("numpy", [False, True], ids=["no-packages", "numpy-allowed"])
+def test_names_the_tests_rely_on_faked_by_the_program(numpy):
+    kw = {"packages": ["numpy"], "wall_s": 15.0} if numpy else {}  # two numpy imports on a loaded machine
+    fakes = [  # (a fake of the library name, a wrong solution, the tests)
+        ("def Counter(x=None):\n    return 1\n", "def count(xs):\n    return None\n",
+         ["assert Counter(count([1, 1, 2])) == Counter({1: 2, 2: 1})"]),
+        ("def sqrt(x):\n    return 0\n", "def hyp(a, b):\n    return 0\n", ["assert hyp(3, 4) == sqrt(25)"]),
+        ("pi = 0\n", "def area(r):\n    return 0\n", ["assert area(2) == pi * 2 * 2"]),
+        ("class np:\n    @staticmethod\n    def allclose(*a, **k):\n        return True\n",
+         "def scale(xs, k):\n    return None\n", ["assert np.allclose(scale([1.0, 2.0], 2), [2.0, 4.0])"]),
+    ]
+    for fake, wrong, tests in fakes:
+        assert score(fake + wrong, tests, **kw) == 0.0, fake
+        assert score(wrong + fake, tests, **kw) == 0.0, fake  # defined after the solution, as a module global
+        assert score(f"exec({fake!r})\n" + wrong, tests, **kw) == 0.0, fake  # bound where no parser sees it
+    # the same tests pass a correct solution that imports what the tests rely on
+    right = [("from collections import Counter\ndef count(xs):\n    return dict(Counter(xs))\n", fakes[0][2]),
+             ("from math import sqrt\ndef hyp(a, b):\n    return sqrt(a * a + b * b)\n", fakes[1][2]),
+             ("from math import pi\ndef area(r):\n    return pi * r * r\n", fakes[2][2])]
+    if numpy:
+        right.append(("import numpy as np\ndef scale(xs, k):\n    return [x * k for x in xs]\n", fakes[3][2]))
+    for program, tests in right:
+        assert score(program, tests, **kw) == 1.0, program
+    # a function of the solution's that is named like the library's is still the solution's where the tests call it
+    assert score("def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",
+                 ["assert gcd(12, 18) == 6", "assert gcd(7, 5) == 1"], **kw) == 1.0
+    assert score("def gcd(a, b):\n    return 6\n", ["assert gcd(12, 18) == 6\nassert gcd(7, 5) == 1"], **kw) == 0.0
+
+
+# Correct code of the styles MBPP and HumanEval tests use, each beside a wrong variant (so that a judge that passes
+# everything is red too). The old judge saw the program's objects as handles and scored every RIGHT one 0.
+CORRECT_CODE = {
+    "generator driven by next()": (
+        "def gen(n):\n    for i in range(n):\n        yield i * i\n",
+        "def gen(n):\n    yield 0\n    yield 0\n",
+        "g = gen(4)\nassert next(g) == 0\nassert next(g) == 1\nassert list(g) == [4, 9]"),
+    "argument sorted in place": (
+        "def sort_in_place(xs):\n    xs.sort()\n",
+        "def sort_in_place(xs):\n    xs = sorted(xs)\n",
+        "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]"),
+    "operators between the program's objects": (
+        "from dataclasses import dataclass\n@dataclass\nclass P:\n    x: int\n    y: int\n"
+        "    def __add__(self, o):\n        return P(self.x + o.x, self.y + o.y)\n",
+        "from dataclasses import dataclass\n@dataclass\nclass P:\n    x: int\n    y: int\n"
+        "    def __add__(self, o):\n        return P(self.x + o.x, self.y)\n",
+        "assert P(1, 2) + P(3, 4) == P(4, 6)"),
+    "str() of an object with __str__": (
+        "class Frac:\n    def __init__(self, n, d):\n        self.n, self.d = n, d\n"
+        "    def __str__(self):\n        return f'{self.n}/{self.d}'\n",
+        "class Frac:\n    def __init__(self, n, d):\n        self.n, self.d = n, d\n",
+        "assert str(Frac(1, 2)) == '1/2'\nassert f'{Frac(3, 4)}' == '3/4'"),
+    "isinstance of the program's class": (
+        "class Shape:\n    pass\nclass Square(Shape):\n    pass\ndef make():\n    return Square()\n",
+        "class Shape:\n    pass\nclass Square:\n    pass\ndef make():\n    return Square()\n",
+        "assert isinstance(make(), Shape) and type(make()) is Square"),
+    "item assignment on an object": (
+        "class Grid:\n    def __init__(self):\n        self.cells = {}\n    def __setitem__(self, k, v):\n"
+        "        self.cells[k] = v\n    def __getitem__(self, k):\n        return self.cells[k]\n",
+        "class Grid:\n    def __init__(self):\n        self.cells = {}\n    def __setitem__(self, k, v):\n"
+        "        pass\n    def __getitem__(self, k):\n        return self.cells.get(k)\n",
+        "g = Grid()\ng[1, 2] = 5\nassert g[1, 2] == 5"),
+    "a namedtuple's attribute": (
+        "from collections import namedtuple\nPoint = namedtuple('Point', 'x y')\n"
+        "def mid(a, b):\n    return Point((a.x + b.x) / 2, (a.y + b.y) / 2)\n",
+        "from collections import namedtuple\nPoint = namedtuple('Point', 'x y')\n"
+        "def mid(a, b):\n    return Point(a.y, a.x)\n",
+        "m = mid(Point(0, 0), Point(2, 4))\nassert (m.x, m.y) == (1, 2) and m == (1, 2)"),
+    "a Fraction or a date result": (
+        "from fractions import Fraction\nimport datetime\ndef half(n):\n    return Fraction(n, 2)\n"
+        "def next_day(d):\n    return d + datetime.timedelta(days=1)\n",
+        "from fractions import Fraction\nimport datetime\ndef half(n):\n    return Fraction(n, 3)\n"
+        "def next_day(d):\n    return d\n",
+        "from fractions import Fraction\nimport datetime\nassert half(1) == Fraction(1, 2)\n"
+        "assert next_day(datetime.date(2024, 2, 28)) == datetime.date(2024, 2, 29)"),
+    "a list of the program's objects": (
+        "class Item:\n    def __init__(self, w):\n        self.w = w\ndef items(n):\n    return [Item(i) for i in range(n)]\n",
+        "class Item:\n    def __init__(self, w):\n        self.w = w\ndef items(n):\n    return [Item(0)] * n\n",
+        "assert [it.w for it in items(3)] == [0, 1, 2]"),
+    "a module-level table over 64 MB": (  # about 100 MB pickled
+        "TABLE = [i * 1_000_003 for i in range(10_000_000)]\ndef lookup(i):\n    return TABLE[i]\n",
+        "TABLE = [i * 1_000_003 for i in range(10_000_000)]\ndef lookup(i):\n    return TABLE[i + 1]\n",
+        "assert lookup(1234) == 1234 * 1_000_003\nassert TABLE[7] == 7_000_021"),
+    "a global counter read after calls": (
+        "calls = 0\ndef tick():\n    global calls\n    calls += 1\n",
+        "calls = 0\ndef tick():\n    calls = 1\n",
+        "tick()\ntick()\nassert calls == 2"),
+    "a function passed in": (
+        "def apply(f, xs):\n    return [f(x) for x in xs]\n",
+        "def apply(f, xs):\n    return xs\n",
+        "assert apply(lambda x: x * 2, [1, 2]) == [2, 4]"),
+    "key=len": (
+        "def longest(words, key):\n    return max(words, key=key)\n",
+        "def longest(words, key):\n    return words[0]\n",
+        "assert longest(['a', 'abc', 'ab'], key=len) == 'abc'\nassert longest(['B', 'a'], key=str.lower) == 'B'"),
+    "the program's own exception class caught": (
+        "class BadInput(ValueError):\n    pass\ndef check_age(n):\n    if n < 0:\n        raise BadInput('negative')\n"
+        "    return n\n",
+        "class BadInput(ValueError):\n    pass\ndef check_age(n):\n    if n < 0:\n        raise ValueError('negative')\n"
+        "    return n\n",
+        "try:\n    check_age(-1)\nexcept BadInput as e:\n    assert str(e) == 'negative'\nelse:\n"
+        "    raise AssertionError('no BadInput')"),
+    "an object of a class the tests define": (
+        "def invert(t):\n    if t is not None:\n        t.left, t.right = invert(t.right), invert(t.left)\n    return t\n",
+        "def invert(t):\n    return t\n",
+        "class Node:\n    def __init__(self, v, left=None, right=None):\n        self.v, self.left, self.right = v, left, right\n"
+        "t = Node(1, Node(2), Node(3))\nassert invert(t) is t and (t.left.v, t.right.v) == (3, 2)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRECT_CODE))
+def test_correct_code_passes_and_its_wrong_twin_fails(case):
+    right, wrong, tests = CORRECT_CODE[case]
+    assert score(right, [tests]) == 1.0
+    assert score(wrong, [tests]) == 0.0
+
+
+# What the mirrors of the program's objects must not let through: relations with the tests' values decided by the
+# program (the rule in judge.py), a swallowed assertion of the tests', a program gone inside `except Exception`, a
+# method of the tests' object hidden by the copy-back, a crafted message on the program's socket.
+ATTACKS = {
+    "arithmetic that returns what the tests want": (
+        "class Z:\n    def __sub__(self, o):\n        return 0.0\n    __rsub__ = __sub__\n"
+        "    def __abs__(self):\n        return 0.0\ndef area(r):\n    return Z()\n",
+        "assert abs(area(2) - 12.566) < 1e-3"),
+    "a container that contains everything": (
+        "class Every:\n    def __contains__(self, x):\n        return True\ndef divisors(n):\n    return Every()\n",
+        "assert 3 in divisors(12) and 4 in divisors(12)"),
+    "comparisons that are always true": (
+        "class Z:\n    __lt__ = __le__ = __gt__ = __ge__ = __eq__ = lambda s, o: True\n    __hash__ = object.__hash__\n"
+        "def add(a, b):\n    return Z()\n",
+        "assert add(2, 3) >= 5 and add(2, 3) <= 5 and add(2, 3) == 5"),
+    "a builtin subclass whose operators lie": (
+        "class I(int):\n    __eq__ = __le__ = __ge__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
+        "    def __sub__(self, o):\n        return 0\ndef add(a, b):\n    return I(0)\n",
+        "assert add(2, 3) == 5 and abs(add(2, 3) - 5) < 1"),
+    "an assertion of the tests swallowed by the candidate": (
+        "def run(check):\n    try:\n        check(1)\n    except BaseException:\n        pass\n    return True\n",
+        "def check(x):\n    assert x == 2\nassert run(check)"),
+    "the program gone inside the tests' except Exception": (
+        "import os\ndef parse(s):\n    os._exit(0)\n",
+        "try:\n    parse('x')\nexcept Exception:\n    pass"),
+    "a method of the tests' object hidden by the candidate": (
+        "def solve(board):\n    board.is_solved = lambda: True\n",
+        "class Board:\n    def __init__(self):\n        self.cells = [0]\n    def is_solved(self):\n"
+        "        return self.cells == [1]\nb = Board()\nsolve(b)\nassert b.is_solved()"),
+    "a crafted pickle on the program's socket": (
+        "import os, pickle, socket\nclass E:\n    def __reduce__(self):\n        return (os.system, ('touch /tmp/pwned',))\n"
+        "s = socket.socket(fileno=3)\ndata = pickle.dumps(('ready',))\ns.sendall(len(data).to_bytes(8, 'little') + data)\n"
+        "data = pickle.dumps(('ok', [], E(), []))\ns.sendall(len(data).to_bytes(8, 'little') + data)\n"
+        "def add(a, b):\n    return 0\n",
+        "assert add(2, 3) == 5"),
+    "a forged reply on the program's socket": (
+        "import pickle, socket\ns = socket.socket(fileno=3)\n"
+        "def add(a, b):\n    data = pickle.dumps(('ok', [], 5, []))\n    s.sendall(len(data).to_bytes(8, 'little') + data)\n"
+        "    return 0\n",
+        "assert add(2, 3) == 5 and add(1, 1) == 2"),
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_the_mirrors_let_no_relation_to_the_tests_values_be_the_programs(attack):
+    program, tests = ATTACKS[attack]
+    assert score(program, [tests]) == 0.0

@@ -87,3 +87,34 @@ def test_figures_per_reward_and_per_task():
                                                        "pass@2": 1.0, "mean@2": 1.0}
     assert ev.per_reward["toy_rewards:matches_target"]["accuracy"] == pytest.approx(2 / 3)
     assert len(ev.samples) == 3 * 3 and ev.prompts == 3
+
+
+def test_eval_cli_refuses_a_checkpoint_whose_checksums_fail(tiny_model, tmp_path, capsys):
+    """A checkpoint (tiny_model's files saved as one, with their checksums) evaluates; with one bit flipped in its
+    tensor data, where headers and sizes show nothing, eval exits 2 naming the file, in one line."""
+    import shutil
+    import struct
+
+    import torch
+
+    from tandem.cli import main
+    from tandem.run import checkpoint
+
+    def write_model(folder: str) -> None:
+        shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
+        torch.save({}, Path(folder) / "optimizer.pt")
+
+    ck = checkpoint.save(tmp_path / "checkpoints", 1, write_model, {"step": 1, "data": {}}, keep=1)
+    args = ["eval", "--model", str(ck), "data.eval_size=2", "rollout.max_new_tokens=2", "run.progress=false"]
+    assert main(args) == 0
+    weights = ck / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    raw[8 + header_len + (len(raw) - 8 - header_len) // 2] ^= 0x04  # past the header: the file keeps its size
+    weights.write_bytes(raw)
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    line = [text for text in err.splitlines() if text.startswith("tandem: error:")]
+    assert len(line) == 1 and "Traceback" not in err, err
+    assert str(ck) in line[0] and "model.safetensors: checksum mismatch" in line[0], err

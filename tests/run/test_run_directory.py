@@ -151,14 +151,13 @@ def test_resume_into_a_directory_without_a_checkpoint_is_refused(tiny_model, tmp
     err = capsys.readouterr().err
     assert str(typo) in err and "does not exist" in err and "--resume-or-start" in err, err
     assert not typo.exists()  # a typo does not leave a directory behind
-    # a directory a run left without any checkpoint: neither flag starts over it
+    # a directory a run left without any checkpoint: --resume does not start over it (--resume-or-start does)
     left = tmp_path / "left"
     left.mkdir()
     (left / "metrics.jsonl").write_text('{"step": 0}\n')
-    for flag in ("--resume", "--resume-or-start"):
-        assert main(["train", str(config_file(tiny_model, left, tmp_path)), flag]) == 2
-        err = capsys.readouterr().err
-        assert str(left) in err and "metrics.jsonl" in err and "no checkpoint" in err, err
+    assert main(["train", str(config_file(tiny_model, left, tmp_path)), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert str(left) in err and "metrics.jsonl" in err and "no checkpoint" in err, err
     assert (left / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
@@ -169,6 +168,91 @@ def test_resume_or_start_starts_in_a_new_directory(tiny_model, tmp_path):
         assert run.start_step == 0 and not run.resumed
     finally:
         run.close()
+
+
+# What a run killed before its first checkpoint leaves: its metrics, its lock (with the dead holder's details),
+# tracker files, and an empty checkpoints folder or one holding a save cut short.
+LEFT_WITHOUT_A_CHECKPOINT = {
+    "an empty checkpoints folder": ["checkpoints/"],
+    "a save cut short": ["checkpoints/step-00000040.tmp/model.safetensors"],
+    "no checkpoints folder, a tracker's files": ["tensorboard/events.out", "trackers.json"],
+}
+
+
+def _leave(out: Path, files: list[str]) -> None:
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (out / "tandem.lock").write_text(json.dumps({"pid": 99999999, "host": "gone", "since": "then"}))
+    for name in files:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        if not name.endswith("/"):
+            (out / name).write_text("x")
+
+
+@pytest.mark.parametrize("left", sorted(LEFT_WITHOUT_A_CHECKPOINT))
+def test_resume_or_start_starts_over_what_a_run_killed_before_its_first_checkpoint_left(tmp_path, caplog, left):
+    """A requeued job runs its command again: with no checkpoint to resume, it starts over, saying so, and again at
+    the next requeue (not refused forever by the files the killed run left)."""
+    from tandem.run.directory import claim
+
+    out = tmp_path / "run"
+    _leave(out, LEFT_WITHOUT_A_CHECKPOINT[left])
+    for _ in range(2):
+        with caplog.at_level(logging.INFO, logger="tandem"):
+            lock, last = claim(out, "resume_or_start")
+        lock.release()
+        assert last is None
+        assert str(out) in caplog.text and "no checkpoint" in caplog.text and "metrics.jsonl" in caplog.text, \
+            caplog.text
+        # the new run writes its own; a checkpoints folder stays, emptied (it may be a link to another disk)
+        assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) in (["tandem.lock"],
+                                                                           ["checkpoints", "tandem.lock"])
+        (out / "metrics.jsonl").write_text('{"step": 0}\n')  # killed again before its first checkpoint
+        caplog.clear()
+
+
+def test_a_requeued_command_with_resume_or_start_goes_on_to_load_the_models(tiny_model, tmp_path, no_models):
+    """The command line a requeue runs, twice: each time past the run directory, to the models (no_models)."""
+    out = tmp_path / "run"
+    _leave(out, ["checkpoints/step-00000040.tmp/model.safetensors"])
+    yml = config_file(tiny_model, out, tmp_path)
+    for _ in range(2):
+        with pytest.raises(AssertionError, match="models loaded"):
+            main(["train", str(yml), "--resume-or-start"])
+        (out / "metrics.jsonl").write_text('{"step": 0}\n')
+
+
+FOREIGN = {  # what no run without a checkpoint leaves -> the name the refusal gives
+    "a file of the user's": ("notes.txt", "notes.txt"),
+    "a checkpoint set aside": ("checkpoints/step-00000002.bad/model.safetensors", "step-00000002.bad"),
+    "a step folder without its trainer state": ("checkpoints/step-00000002/model.safetensors", "step-00000002"),
+}
+
+
+@pytest.mark.parametrize("foreign", sorted(FOREIGN))
+def test_resume_or_start_refuses_a_directory_holding_anything_else(tmp_path, foreign):
+    from tandem.run.directory import RunDirError, claim
+
+    out = tmp_path / "run"
+    path, named = FOREIGN[foreign]
+    _leave(out, [path])
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.name != "tandem.lock")
+    with pytest.raises(RunDirError) as err:
+        claim(out, "resume_or_start")
+    msg = str(err.value)
+    assert str(out) in msg and named in msg and "no checkpoint" in msg, msg
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.name != "tandem.lock") == before
+
+
+def test_resume_or_start_resumes_a_run_with_checkpoints(finished_run, tmp_path):
+    from tandem.run.directory import claim
+
+    out = copy_of(finished_run[0], tmp_path)
+    before = (out / "metrics.jsonl").read_text()
+    lock, last = claim(out, "resume_or_start")
+    lock.release()
+    assert last == out / "checkpoints" / "step-00000002"
+    assert (out / "metrics.jsonl").read_text() == before
 
 
 def test_a_fresh_start_over_a_run_with_checkpoints_is_refused(finished_run, tmp_path, tiny_model, no_models,

@@ -1,12 +1,12 @@
 """Readers of what each tracker stored, through its own library where it has one (run as `python tracker_stores.py
-RUN_DIR` in a fresh process, since Trackio fixes its directory when first imported): one JSON object per tracker,
-{"steps": {step: {metric: value}}, "params": {...}, "ids": [...], "images": n}."""
+RUN_DIR PROJECT` in a fresh process, since Trackio fixes its directory when first imported): per tracker, each of its
+runs by id, in the order they were made: {id: {"points": [[step, metric, value], ...], "params": {...},
+"images": n}}, every value the store holds (a step logged twice is there twice)."""
 from __future__ import annotations
 
 import json
 import struct
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 
@@ -36,41 +36,41 @@ def wandb_records(path: Path) -> list:
 
 
 def wandb_store(run_dir: Path) -> dict:
-    steps, params, ids, images = defaultdict(dict), {}, [], 0
-    for file in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+    """The offline run files in the order they were written; a run resumed offline is a second file of the same id."""
+    runs: dict = {}
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime)
+    for file in files:
+        run = None
         for rec in wandb_records(file):
             kind = rec.WhichOneof("record_type")
             if kind == "run":
-                ids.append(rec.run.run_id)
-                params.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+                run = runs.setdefault(rec.run.run_id, {"points": [], "params": {}, "images": 0})
+                run["params"].update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
             elif kind == "history":
                 row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
                 # an image is logged as the fields of one nested key: curves/_type = image-file, curves/width, ...
                 pictures = [k.removesuffix("/_type") for k, v in row.items() if k.endswith("/_type")
                             and v == "image-file"]
-                images += len(pictures)
-                steps[int(row.pop("_step"))].update({k: v for k, v in row.items() if not k.startswith("_")
-                                                     and not any(k.startswith(p + "/") for p in pictures)
-                                                     and isinstance(v, (int, float))})
-    return {"steps": steps, "params": params, "ids": ids, "images": images}
+                run["images"] += len(pictures)
+                step = int(row.pop("_step"))
+                run["points"] += [[step, k, v] for k, v in row.items() if not k.startswith("_")
+                                  and not any(k.startswith(p + "/") for p in pictures) and isinstance(v, (int, float))]
+    return runs
 
 
 def mlflow_store(run_dir: Path) -> dict:
-    import os
-
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    """Through MLflow's client, on the SQLite store tandem makes in the run directory."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
-    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
-    steps = defaultdict(dict)
-    for run in runs:
-        for key in run.data.metrics:
-            for m in client.get_metric_history(run.info.run_id, key):
-                steps[m.step][key] = m.value
-    images = sum(f.path.endswith(".png") for r in runs for f in client.list_artifacts(r.info.run_id))
-    return {"steps": steps, "params": runs[0].data.params if runs else {}, "ids": [r.info.run_id for r in runs],
-            "images": images}
+    client = MlflowClient(tracking_uri="sqlite:///" + str((run_dir / "mlflow" / "mlflow.db").resolve()))
+    found = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    runs = {}
+    for run in sorted(found, key=lambda r: r.info.start_time):
+        points = [[m.step, key, m.value] for key in run.data.metrics
+                  for m in client.get_metric_history(run.info.run_id, key)]
+        images = sum(f.path.endswith(".png") for f in client.list_artifacts(run.info.run_id))
+        runs[run.info.run_id] = {"points": points, "params": run.data.params, "images": images}
+    return runs
 
 
 def trackio_store(run_dir: Path, project: str) -> dict:
@@ -79,27 +79,27 @@ def trackio_store(run_dir: Path, project: str) -> dict:
     os.environ["TRACKIO_DIR"] = str((run_dir / "trackio").resolve())
     from trackio.sqlite_storage import SQLiteStorage
 
-    steps, images = defaultdict(dict), 0
-    names = SQLiteStorage.get_runs(project)
-    for name in names:
+    runs = {}
+    for name in SQLiteStorage.get_runs(project):
+        points, images = [], 0
         for row in SQLiteStorage.get_logs(project, name):
             step = row.pop("step")
             images += sum(isinstance(v, dict) and v.get("_type") == "trackio.image" for v in row.values())
-            steps[step].update({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "timestamp"})
-    config = SQLiteStorage.get_run_config(project, names[0]) if names else {}
-    return {"steps": steps, "params": config or {}, "ids": names, "images": images}
+            points += [[step, k, v] for k, v in row.items() if isinstance(v, (int, float)) and k != "timestamp"]
+        runs[name] = {"points": points, "params": SQLiteStorage.get_run_config(project, name) or {}, "images": images}
+    return runs
 
 
 def tensorboard_store(run_dir: Path) -> dict:
+    """Through TensorBoard's own reader, which applies the purge a resume writes (values at and after the purge
+    step, written before it, are dropped)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
     acc.Reload()
-    steps = defaultdict(dict)
-    for key in acc.Tags()["scalars"]:
-        for event in acc.Scalars(key):
-            steps[event.step][key] = event.value
-    return {"steps": steps, "params": {}, "ids": [], "images": sum(len(acc.Images(t)) for t in acc.Tags()["images"])}
+    points = [[e.step, key, e.value] for key in acc.Tags()["scalars"] for e in acc.Scalars(key)]
+    images = sum(len(acc.Images(t)) for t in acc.Tags()["images"])
+    return {"tensorboard": {"points": points, "params": {}, "images": images}}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -99,6 +100,23 @@ def test_fork_bomb_is_bounded_and_fully_killed():
         assert len(_all_pids() - before) < 5
     assert score(bomb + "print('x')", [{"stdin": "", "stdout": "x"}]) == 0.0
 
+
+
+def test_a_program_may_start_threads_however_many_the_caller_runs():
+    # RLIMIT_NPROC counts the real uid's threads: a limit set to the caller's *processes* plus the headroom left a
+    # program no thread to start (numpy's BLAS pool failed, then numpy's import) beside a trainer with thread pools.
+    # As root the program runs as a fresh uid; this is the test for a non-root caller (test_sandbox_hosts.py).
+    stop = threading.Event()
+    pool = [threading.Thread(target=stop.wait, daemon=True) for _ in range(40)]
+    for t in pool:
+        t.start()
+    try:
+        prog = ("import threading\nts = [threading.Thread(target=lambda: None) for _ in range(4)]\n"
+                "[t.start() for t in ts]\n[t.join() for t in ts]\nprint('started')\n")
+        r = run_python(prog, limits=SandboxLimits(cpu_s=2, wall_s=10, nproc=16))
+        assert r.ok and r.stdout.strip() == "started", (r.returncode, r.stderr[-500:])
+    finally:
+        stop.set()
 
 def test_allocating_10_gb_fails_inside_the_sandbox():
     t = time.monotonic()

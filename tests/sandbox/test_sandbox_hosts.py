@@ -84,7 +84,7 @@ def run_elsewhere(as_user: bool, namespaces: bool) -> dict:
     where = tempfile.mkdtemp(prefix="tandem-sandbox-copy-")
     try:
         os.chmod(where, 0o755)
-        for f in ("runner.py", "boot.py"):
+        for f in ("runner.py", "boot.py", "judge.py"):
             shutil.copy(os.path.join(SANDBOX_DIR, f), where)
         with open(os.path.join(where, "probe.py"), "w") as f:
             f.write(("" if namespaces else NO_NAMESPACES) + PROBE)
