@@ -1,12 +1,11 @@
 """The hf engine's two ways to hold a group's prompt in decode: copied into every row's cache, or once (split attention).
 
-    .venv/bin/python bench/bench_prompt_sharing.py [--threads 1] [--repeats 3] [--decode-kernel torch|native]
+    .venv/bin/python bench/bench_prompt_sharing.py [--threads 1] [--repeats 3]
 
-Times `HFEngine.generate` (fixed-length rollouts, temperature 1) with `llama_decode.SHARED_PROMPT_MIN_BYTES` (the
-threshold of the decode kernel asked for, `rollout.decode_kernel`) forced off and on, alternating,
-best of `--repeats`, on bench_trl's small and large models, for prompts of several lengths and group shapes;
-prints each side's seconds, the ratio shared / per-row, the bytes of repeated prompt keys and values per layer that
-the threshold looks at, and which way the threshold picks. The constant's comment quotes this.
+Times `HFEngine.generate` (fixed-length rollouts, temperature 1) with `llama_decode.SHARED_PROMPT_MIN_BYTES` forced
+off and on, alternating, best of `--repeats`, on bench_trl's small and large models, for prompts of several lengths
+and group shapes; prints each side's seconds, the ratio shared / per-row, the bytes of repeated prompt keys and
+values per layer that the threshold looks at, and which way the threshold picks. The constant's comment quotes this.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ CASES = [("small", 4, 4, 6, 32), ("small", 4, 4, 32, 32), ("small", 4, 4, 64, 32
 
 
 def best_time(engine: HFEngine, prompts: list[list[int]], sampling: Sampling, threshold: int) -> float:
-    llama_decode.SHARED_PROMPT_MIN_BYTES[engine.decode_kernel] = threshold
+    llama_decode.SHARED_PROMPT_MIN_BYTES = threshold
     start = time.perf_counter()
     engine.generate(prompts, sampling)
     return time.perf_counter() - start
@@ -43,13 +42,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--decode-kernel", choices=["torch", "native"], default="torch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    chosen = llama_decode.SHARED_PROMPT_MIN_BYTES[args.decode_kernel]
+    chosen = llama_decode.SHARED_PROMPT_MIN_BYTES
     print(f"torch {torch.__version__}, threads={args.threads}, "
-          f"matmul {bench_trl.matmul_gflops(args.threads):.1f} GFLOP/s; attention kernel {args.decode_kernel}, "
-          f"threshold {chosen >> 10} KiB")
+          f"matmul {bench_trl.matmul_gflops(args.threads):.1f} GFLOP/s; threshold {chosen >> 10} KiB")
     head = f"{'model':6s} {'prompts':>7s} {'n':>3s} {'P':>4s} {'repeated KB':>11s} {'per-row s':>9s} " \
            f"{'shared s':>8s} {'shared/per-row':>14s} {'picked':>8s}"
     rows = []
@@ -59,7 +56,7 @@ def main() -> None:
             if model not in engines:
                 w = bench_trl.WORKLOADS[model]
                 bench_trl.build_model(Path(tmp) / model, w)
-                engines[model] = (HFEngine(str(Path(tmp) / model), decode_kernel=args.decode_kernel), w)
+                engines[model] = (HFEngine(str(Path(tmp) / model)), w)
             engine, w = engines[model]
             prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(P)] for i in range(U)]
             s = Sampling(n=n, max_new_tokens=new, temperature=1.0, ignore_eos=True, seed=0)
@@ -71,7 +68,7 @@ def main() -> None:
             kv_bytes = (n - 1) * U * P * w.kv_heads * (w.hidden // w.heads) * 2 * 4
             rows.append((model, U, n, P, kv_bytes, min(per_row), min(shared)))
             print(f"  {model} {U}x{n} P={P} done", flush=True)
-    llama_decode.SHARED_PROMPT_MIN_BYTES[args.decode_kernel] = chosen
+    llama_decode.SHARED_PROMPT_MIN_BYTES = chosen
     print(head)
     print("-" * len(head))
     for model, U, n, P, kv_bytes, a, b in rows:

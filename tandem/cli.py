@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="greedy accuracy and pass@k of a model on the configured task")
     e.add_argument("config", nargs="?", default=None, help="YAML config (default: the built-in arithmetic task)")
-    e.add_argument("overrides", nargs="*")
+    e.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     e.add_argument("--model", help="model folder or checkpoint (sets model.path)")
     e.add_argument("--k", type=int, help="samples per prompt for pass@k (sets eval.k)")
     e.add_argument("--output", help="write the results as JSON here: the figures, per reward and per task, the "
@@ -176,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=_export)
 
     c = sub.add_parser("config", help="print the resolved config, or the reference of every field (--doc)")
-    c.add_argument("config", nargs="?", default=None)
-    c.add_argument("overrides", nargs="*")
-    c.add_argument("--doc", action="store_true")
+    c.add_argument("config", nargs="?", default=None, help="YAML config (default: the built-in defaults)")
+    c.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    c.add_argument("--doc", action="store_true", help="print every field with its default and meaning (Markdown)")
     c.set_defaults(fn=_config)
     return p
 

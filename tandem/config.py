@@ -134,14 +134,41 @@ class DataConfig(Section):
     task: Literal["arithmetic", "multiply", "gsm8k", "jsonl"] = Field(
         "arithmetic", description="`arithmetic`: the built-in demo task (generated, no files). `multiply`: 3-4 digit "
         "products, the tool demo's task (examples/tools.yaml: a calculator makes it solvable). `gsm8k`: the official "
-        "GSM8K jsonl files in `path` (question / answer after ####). `jsonl`: any jsonl/parquet/`datasets` folder at "
-        "`path` with `prompt_field` and `answer_field`.",
+        "GSM8K data in `path` (question / answer after ####): the jsonl files, or `openai/gsm8k` with `subset: main`. "
+        "`jsonl`: rows from any source `path` takes, with `prompt_field` and `answer_field`.",
     )
-    path: str = Field("", description="Training data: a .jsonl/.parquet file or a `datasets` folder (for gsm8k: train.jsonl).")
+    path: str = Field(
+        "", description="Training data (gsm8k and jsonl tasks), one of: a .jsonl or .parquet file; a "
+        "`datasets.save_to_disk` folder; a folder `datasets.load_dataset` reads (jsonl/json/parquet/csv files named "
+        "by split, such as train.jsonl and test.jsonl or data/train-00000-of-00001.parquet, or a dataset repository "
+        "cloned from the Hub, whose README lists its subsets); or a Hugging Face dataset id (`openai/gsm8k`), "
+        "downloaded once into the `datasets` cache (HF_DATASETS_CACHE) and read from there offline "
+        "(HF_HUB_OFFLINE=1). A path on disk is read first; a missing one of the form namespace/name is a Hub id. "
+        "Settings the data lacks (a split, a subset) are refused before any model loads, naming what it has.",
+    )
+    split: str = Field(
+        "train", min_length=1, description="The split of `path` to train on, where it has splits (a Hub id, a "
+        "dataset folder, a saved DatasetDict). A file holds one set of rows: anything but `train` is refused there.",
+    )
+    subset: str = Field(
+        "", description="The subset of `path` (the `datasets` configuration name, `load_dataset(path, name)`): "
+        "`main` for openai/gsm8k. Empty: the dataset's only or default subset; a dataset with several and no "
+        "default is refused, listing them.",
+    )
     eval_path: str = Field(
-        "", description="Held-out data in the same format (for gsm8k: test.jsonl). Empty: the built-in tasks' "
-        "(arithmetic, multiply) own held-out splits; for gsm8k and jsonl the first eval_size training prompts, with a warning, since no "
-        "held-out split is known there: scores on them measure memorization as much as skill.",
+        "", description="Held-out data, in any form `path` takes (for gsm8k: test.jsonl). Empty: the built-in "
+        "tasks' (arithmetic, multiply) own held-out splits; for a dataset with splits at `path`, its `eval_split`; "
+        "otherwise (a file, or a dataset with no test or validation split) the first eval_size training prompts, "
+        "with a warning: scores on them measure memorization as much as skill.",
+    )
+    eval_split: str = Field(
+        "", description="The split to evaluate on: of `eval_path` where it is set, else of `path`. Empty: its "
+        "`test` split, else its `validation` split (other than `split`); for an `eval_path` with neither, its only "
+        "split. A split named here must exist; a file has none.",
+    )
+    eval_subset: str = Field(
+        "", description="The subset of `eval_path` (empty: its only or default one). Without `eval_path`, the "
+        "held-out split is `path`'s, of `subset`.",
     )
     prompt_field: str = Field(
         "question", description="Row field holding the prompt: text, or chat messages (a list of `{role, content}`) "
@@ -234,23 +261,9 @@ class RolloutConfig(Section):
         "and values once as they are stored, so decode attention, which reads every row's cache each step, reads "
         "half the bytes; the queries are rounded too, the products and the softmax run in float32. It costs a "
         "logprob gap between sampler and trainer (the `auto` max_logprob_diff then allows bf16's), measured in "
-        "docs/design-notes.md; it pays where attention is what a step waits on (long contexts) and decodes with "
-        "tandem's C kernel (decode_kernel), which widens bf16 by a shift on any processor (SDPA's bf16 is emulated "
-        "where bf16 is not native, ~3x slower than float32's). `float32`: a float32 cache. vLLM's cache follows "
-        "the model's dtype (keep `model`).",
-    )
-    decode_kernel: Literal["auto", "native", "torch"] = Field(
-        "auto", description="How the hf engine's lean decoder (Llama-family models on CPU) runs a decode step. "
-        "`native`: tandem's C decode step (tandem/kernels), one call per step: every layer's norms, rotary, "
-        "cache writes, attention, SiLU gate and residual adds in C, its matrix products by the BLAS PyTorch itself "
-        "calls (its `sgemm_`; where PyTorch exposes none, only the attention is C's); the attention reads each KV "
-        "head's keys once for all its query heads and a group's prompt once for its rows, and widens a bf16 cache "
-        "by a shift. Compiled with the machine's C compiler on first use, once per head shape (well under a second; "
-        "cached in ~/.cache/tandem/kernels or TANDEM_KERNEL_CACHE); float32 models, head dims a multiple of 8. "
-        "`torch`: the same math in PyTorch ops, attention by SDPA (and batched products for a long prompt held once "
-        "per group): ~15 dispatched ops per layer and step, which a small model's step mostly is. `auto`: native "
-        "where it builds and serves the model, else torch (the log says why). The two agree to float rounding "
-        "(bench/bench_trl.py --decode-kernel both prints both). vLLM has its own (keep auto).",
+        "docs/guides/engines.md; it pays where attention is what a step waits on (long contexts) on a processor with "
+        "bf16 arithmetic (AVX-512 BF16 or AMX; elsewhere SDPA's bf16 is emulated, ~3x slower than float32's). "
+        "`float32`: a float32 cache. vLLM's cache follows the model's dtype (keep `model`).",
     )
     max_in_flight: int = Field(
         0, ge=0, description="placement.schedule: stream: the requests (completions) each sampler keeps decoding "
@@ -290,7 +303,7 @@ class RolloutConfig(Section):
         "error names the engine and the parameters whose engine copy differs from the trainer's. `auto`: 1e-3 for "
         "float32 models with a float32 KV cache (see kv_cache_dtype), 5e-2 for bfloat16/float16 or a bf16 cache, "
         "each ~50x the difference measured on CPU for its dtype "
-        "(docs/design-notes.md has the figures; bf16 on GPU is not measured yet). null = off. Not checked on stale "
+        "(docs/guides/engines.md has the figures; bf16 on GPU is not measured yet). null = off. Not checked on stale "
         "(async) batches, whose difference includes the policy's own drift.",
     )
 
@@ -708,11 +721,29 @@ class Config(Section):
         if self.algo.overlong_buffer > self.max_completion_tokens:
             raise ConfigError(f"algo.overlong_buffer: {self.algo.overlong_buffer} exceeds {limit}="
                               f"{self.max_completion_tokens}; the ramp must fit inside the length limit")
-        if self.data.task in ("gsm8k", "jsonl") and not self.data.path:
-            raise ConfigError(f"data.path: empty, but data.task={self.data.task!r} reads a file; set data.path")
+        self._data_checks()
         if not self.rewards:
             raise ConfigError("rewards: empty; name at least one reward function")
         return self
+
+    def _data_checks(self) -> None:
+        """The data settings a task reads: a path for gsm8k and jsonl; none of the split and subset settings for the
+        built-in tasks, which generate their own training and held-out prompts. (Whether the data has the splits and
+        subsets named is checked where it is opened, before any model loads: tandem.data.rows.)"""
+        d = self.data
+        if d.task in ("gsm8k", "jsonl") and not d.path:
+            raise ConfigError(f"data.path: empty, but data.task={d.task!r} reads data; set data.path (a file, a "
+                              "dataset folder or a Hugging Face dataset id)")
+        if d.task in ("arithmetic", "multiply"):
+            given = [f"data.{f}: {getattr(d, f)}" for f in ("split", "subset", "eval_split", "eval_subset")
+                     if getattr(d, f) != type(d).model_fields[f].default]
+            if given:
+                raise ConfigError(f"{', '.join(given)}: data.task={d.task} generates its own training and held-out "
+                                  "prompts and reads no dataset; remove them, or set data.task to gsm8k or jsonl")
+        if d.eval_subset and not d.eval_path:
+            raise ConfigError(f"data.eval_subset: {d.eval_subset}, but data.eval_path is empty: the held-out split "
+                              "then comes from data.path, whose subset is data.subset; set data.eval_path, or remove "
+                              "data.eval_subset")
 
     def _stream_checks(self) -> None:
         """What placement.schedule: stream runs on (so far): the hf engine, split placement or one process, single
@@ -749,9 +780,6 @@ class Config(Section):
         if r.engine == "vllm" and r.kv_cache_dtype != "model":
             raise ConfigError(f"rollout.kv_cache_dtype: {r.kv_cache_dtype} is the hf engine's; vLLM's KV cache "
                               "follows the model's dtype (model.dtype); set rollout.kv_cache_dtype=model")
-        if r.engine == "vllm" and r.decode_kernel != "auto":
-            raise ConfigError(f"rollout.decode_kernel: {r.decode_kernel} is the hf engine's; vLLM runs its own "
-                              "kernels; set rollout.decode_kernel=auto")
         if r.tensor_parallel > 1 and r.engine != "vllm":
             raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} needs rollout.engine: vllm (the "
                               f"{r.engine} engine has no tensor parallel); set rollout.tensor_parallel=1")

@@ -12,7 +12,7 @@ import torch
 from tandem.algo import ADVANTAGES
 from tandem.architectures import check_supported
 from tandem.config import Config, ConfigError
-from tandem.data.sources import Prompt, PromptStream, load_task_rows, tokenize_rows
+from tandem.data.sources import Prompt, PromptStream, load_prompts
 from tandem.modeling import check_model_folder, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.run import checkpoint
@@ -336,18 +336,8 @@ def _check_before_loading(cfg: Config) -> None:
 
 
 def _prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
-    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by its line)."""
-    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    d = cfg.data
-    rows = load_task_rows(d.task, d.path, d.prompt_field, d.answer_field, "train")
-    train = tokenize_rows(rows, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens, d.path or d.task,
-                          d.overlong_prompts)
-    if not d.eval_path and d.task not in ("arithmetic", "multiply"):  # the built-in tasks have a held-out split
-        log.warning("no data.eval_path: evaluating on the first %d training prompts", len(train[: d.eval_size]))
-        return train, train[: d.eval_size]
-    held = load_task_rows(d.task, d.eval_path or d.path, d.prompt_field, d.answer_field, "test")
-    return train, tokenize_rows(held[: d.eval_size], tokenizer, d.chat_template, d.system_prompt,
-                                d.max_prompt_tokens, d.eval_path or d.task, d.overlong_prompts)
+    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is)."""
+    return load_prompts(cfg.data, load_tokenizer(cfg.model.path, cfg.model.trust_remote_code))
 
 
 def _refuse_nothing_to_train(cfg: Config, last: Path) -> None:

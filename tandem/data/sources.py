@@ -1,72 +1,110 @@
-"""Prompt sources: rows from jsonl, parquet, a `datasets` folder, GSM8K or the built-in task; prompts as token ids."""
+"""Prompt sources: a run's training and held-out rows, shaped for its task (GSM8K, built-in ones); prompts as ids."""
 from __future__ import annotations
 
-import json
 import logging
 import random
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem.data import arithmetic, multiply
+from tandem.data.rows import DataError, Source, open_source, read_rows, row_at, source_rows
+
+if TYPE_CHECKING:
+    from tandem.config import DataConfig
 
 log = logging.getLogger("tandem.data")
 
-
-class DataError(ValueError):
-    pass
-
-
 GSM8K_INSTRUCTION = "Solve the problem. Put the final numeric answer after '####'."
+BUILT_IN_TASKS = {"arithmetic": arithmetic.rows, "multiply": multiply.rows}  # generated, with a held-out split
+HELD_OUT_SPLITS = ("test", "validation")  # where a dataset's held-out rows are, in the order they are looked for
 
 
-def read_rows(path: str, prompt_field: str, answer_field: str) -> list[dict]:
-    """Rows of a .jsonl / .parquet file or a `datasets.save_to_disk` folder, each checked for both fields."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"data: {path!r} does not exist")
-    if p.is_dir():
-        import datasets
+@dataclass
+class TaskRows:
+    """A run's rows for its task: training ones and held-out ones (None: there are none, and evaluation takes the
+    first training prompts), each with the name messages give their source."""
+    train: list[dict]
+    train_source: str
+    held: list[dict] | None
+    held_source: str
 
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            raise DataError(f"data: {path!r} holds splits {list(ds)}; point at one split's folder")
-        rows, where = list(ds), "row"
-    elif p.suffix == ".parquet":
-        import datasets
 
-        rows, where = list(datasets.Dataset.from_parquet(str(p))), "row"
-    else:
-        rows, where, offset = [], "line", 0
-        with p.open("rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not UTF-8: byte 0x{raw[exc.start]:02x} at byte offset "
-                                    f"{offset + exc.start} (column {exc.start + 1}); re-encode the file as UTF-8 "
-                                    "(e.g. `iconv -f latin1 -t utf-8`)") from None
-                offset += len(raw)
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-                row["_line"] = lineno
-                rows.append(row)
-    if not rows:
-        raise DataError(f"data: {path!r} is empty; it needs at least one row with {prompt_field!r} and {answer_field!r}")
-    for i, row in enumerate(rows, 1):
-        at = row.get("_line", i)
-        for field in (prompt_field, answer_field):
-            if field not in row or row[field] is None or (isinstance(row[field], str) and not row[field].strip()):
-                have = sorted(k for k in row if k != "_line")
-                raise DataError(f"{path}:{at} ({where} {at}): missing field {field!r} (row has {have}); "
-                                f"set data.{'prompt' if field == prompt_field else 'answer'}_field to the right name")
-    return rows
+def task_rows(d: DataConfig) -> TaskRows:
+    """The training rows (`data.path`, its `split` and `subset`) and the held-out ones: `data.eval_path`'s, else
+    `data.path`'s `eval_split` (empty: its test, else validation split), else none. Every setting is checked
+    against what the data has (splits, subsets) before a row is read."""
+    if d.task in BUILT_IN_TASKS:
+        return TaskRows(BUILT_IN_TASKS[d.task]("train"), d.task, BUILT_IN_TASKS[d.task]("test"), d.task)
+    source = open_source(d.path, d.subset, "data.path")
+    if source.splits:
+        source.check_split(d.split, "data.split")
+    elif d.split != "train":
+        raise DataError(f"data.split: {d.split!r}, but data.path {d.path!r} holds one set of rows, with no splits; "
+                        "remove data.split, or point data.path at a dataset with splits")
+    held_at = _held_out(d, source)
+    train = _shaped(d, source, d.split)
+    if held_at is None:
+        return TaskRows(train, source.name(d.split), None, "")
+    held_source, split = held_at
+    return TaskRows(train, source.name(d.split), _shaped(d, held_source, split), held_source.name(split))
+
+
+def _shaped(d: DataConfig, source: Source, split: str) -> list[dict]:
+    return shape_rows(d.task, source_rows(source, split, d.prompt_field, d.answer_field), d.prompt_field,
+                      d.answer_field, source.name(split))
+
+
+def _held_out(d: DataConfig, train: Source) -> tuple[Source, str] | None:
+    """Where the held-out rows are (a source and its split), checked; None where there are none."""
+    if d.eval_path:
+        source = open_source(d.eval_path, d.eval_subset, "data.eval_path")
+        if not source.splits:
+            _refuse_eval_split(d, "data.eval_path")
+            return source, ""
+        only = source.splits[0] if len(source.splits) == 1 else ""
+        split = d.eval_split or _held_out_split(source.splits, "") or only
+        if not split:
+            raise DataError(f"data.eval_split: empty, and data.eval_path {d.eval_path!r} has no "
+                            f"{' or '.join(HELD_OUT_SPLITS)} split; its splits: {', '.join(source.splits)}; name one")
+        source.check_split(split, "data.eval_split")
+        return source, split
+    if not train.splits:
+        _refuse_eval_split(d, "data.path")
+        return None
+    if d.eval_split:
+        train.check_split(d.eval_split, "data.eval_split")
+        return train, d.eval_split
+    split = _held_out_split(train.splits, d.split)
+    return (train, split) if split else None
+
+
+def _held_out_split(splits: list[str], training: str) -> str:
+    """The dataset's held-out split (test, else validation) other than the training one; empty if none."""
+    return next((s for s in HELD_OUT_SPLITS if s in splits and s != training), "")
+
+
+def _refuse_eval_split(d: DataConfig, setting: str) -> None:
+    if d.eval_split:
+        path = d.eval_path if setting == "data.eval_path" else d.path
+        raise DataError(f"data.eval_split: {d.eval_split!r}, but {setting} {path!r} holds one set of rows, with no "
+                        f"splits; remove data.eval_split{'' if d.eval_path else ', or set data.eval_path'}")
+
+
+def load_prompts(d: DataConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is)."""
+    rows = task_rows(d)
+    train = tokenize_rows(rows.train, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens,
+                          rows.train_source, d.overlong_prompts)
+    if rows.held is None:
+        log.warning("no held-out data: data.eval_path is empty and data.path %r has no %s split besides the one "
+                    "trained on; evaluating on the first %d training prompts, which measures memorization as much as "
+                    "skill (set data.eval_path)", d.path, " or ".join(HELD_OUT_SPLITS), len(train[: d.eval_size]))
+        return train, train[: d.eval_size]
+    if d.task not in BUILT_IN_TASKS:
+        log.info("held-out prompts: %s", rows.held_source)
+    return train, tokenize_rows(rows.held[: d.eval_size], tokenizer, d.chat_template, d.system_prompt,
+                                d.max_prompt_tokens, rows.held_source, d.overlong_prompts)
 
 
 def gsm8k_final_answer(answer_text: str) -> str:
@@ -77,14 +115,18 @@ def gsm8k_final_answer(answer_text: str) -> str:
 
 
 def load_task_rows(task: str, path: str, prompt_field: str, answer_field: str, split: str) -> list[dict]:
-    """Rows with `question` and `answer` (plus the source row's other fields) for the configured task."""
-    if task == "arithmetic":
-        return arithmetic.rows(split)
-    if task == "multiply":
-        return multiply.rows(split)
-    rows = read_rows(path, prompt_field, answer_field)
+    """One split's rows for `task`: a built-in task's `split`, or the rows of `path` (its train split where it has
+    splits), shaped by `shape_rows`. A run reads its data through `task_rows`, which takes every data setting."""
+    if task in BUILT_IN_TASKS:
+        return BUILT_IN_TASKS[task](split)
+    return shape_rows(task, read_rows(path, prompt_field, answer_field), prompt_field, answer_field, path)
+
+
+def shape_rows(task: str, rows: list[dict], prompt_field: str, answer_field: str, source: str) -> list[dict]:
+    """Rows with `question` and `answer` (plus the source row's other fields) for `task`, checked; `source` names
+    them in messages."""
     out = []
-    for r in rows:
+    for i, r in enumerate(rows, 1):
         row = dict(r)
         prompt = r[prompt_field]
         if isinstance(prompt, str):
@@ -92,7 +134,7 @@ def load_task_rows(task: str, path: str, prompt_field: str, answer_field: str, s
         else:  # chat messages: a reward is handed the last user turn as the prompt, the template sees them all
             problem = messages_problem(prompt)
             if problem:
-                raise DataError(f"{path}:{r.get('_line', '?')}: field {prompt_field!r} must be a string or a list "
+                raise DataError(f"{row_at(source, r, i)}: field {prompt_field!r} must be a string or a list "
                                 f"of chat messages ({{'role', 'content'}} dicts), got {problem}; set "
                                 "data.prompt_field to the field holding the prompt")
             row["_messages"] = prompt
@@ -100,13 +142,13 @@ def load_task_rows(task: str, path: str, prompt_field: str, answer_field: str, s
         row["answer"] = r[answer_field]
         limit = r.get("max_new_tokens")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise DataError(f"{path}:{r.get('_line', '?')}: field 'max_new_tokens' (this row's completion limit, "
+            raise DataError(f"{row_at(source, r, i)}: field 'max_new_tokens' (this row's completion limit, "
                             f"at most rollout.max_new_tokens) must be a positive integer, got {limit!r}")
         if task == "gsm8k":
             try:
                 row["answer"] = gsm8k_final_answer(str(r[answer_field]))
             except DataError as exc:
-                raise DataError(f"{path}:{r.get('_line', '?')}: {exc}") from None
+                raise DataError(f"{row_at(source, r, i)}: {exc}") from None
             if "_messages" not in row:  # chat messages are the user's own wording: used as they are
                 row["question"] = f"{r[prompt_field]}\n{GSM8K_INSTRUCTION}"
         out.append(row)
@@ -161,18 +203,18 @@ def tokenize_rows(rows: list[dict], tokenizer, chat_template: bool, system_promp
     in one warning (`"skip"`)."""
     prompts, skipped = [], []
     for i, row in enumerate(rows, 1):
-        at = row.get("_line", i)
+        at = row_at(source, row, i)
         try:
             ids = render_prompt(tokenizer, row.get("_messages") or row["question"], chat_template, system_prompt)
         except DataError as exc:
-            raise DataError(f"{source}:{at}: {exc}") from None
+            raise DataError(f"{at}: {exc}") from None
         if not ids:
-            raise DataError(f"{source}:{at}: the prompt is empty after tokenization")
+            raise DataError(f"{at}: the prompt is empty after tokenization")
         if len(ids) > max_tokens:
             if overlong == "skip":
-                skipped.append(at)
+                skipped.append(row.get("_line", row.get("_row", i)))
                 continue
-            raise DataError(f"{source}:{at}: prompt has {len(ids)} tokens, over data.max_prompt_tokens="
+            raise DataError(f"{at}: prompt has {len(ids)} tokens, over data.max_prompt_tokens="
                             f"{max_tokens}; raise the limit, drop the row, or set data.overlong_prompts=skip")
         prompts.append(Prompt(ids, row))
     if skipped and not prompts:
@@ -180,8 +222,8 @@ def tokenize_rows(rows: list[dict], tokenizer, chat_template: bool, system_promp
                         "raise the limit")
     if skipped:
         shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
-        log.warning("%s: skipped %d of %d prompts over data.max_prompt_tokens=%d (lines %s)", source, len(skipped),
-                    len(rows), max_tokens, shown)
+        log.warning("%s: skipped %d of %d prompts over data.max_prompt_tokens=%d (%s %s)", source, len(skipped),
+                    len(rows), max_tokens, "rows" if "_row" in rows[0] else "lines", shown)
     return prompts
 
 

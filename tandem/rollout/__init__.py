@@ -9,11 +9,11 @@ def make_engine(name: str, **kwargs) -> RolloutEngine:
 
         return HFEngine(**kwargs)
     if name == "vllm":
-        from tandem.rollout.vllm_engine import VLLMEngine
+        from tandem.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine(**kwargs)
     if name == "vllm_server":
-        from tandem.rollout.vllm_engine import VLLMServerEngine
+        from tandem.rollout.vllm.server import VLLMServerEngine
 
         return VLLMServerEngine(**kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; choose one of: hf, vllm, vllm_server")

@@ -11,7 +11,7 @@ import torch
 from tandem import moe
 from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
-from tandem.rollout import llama_decode, native
+from tandem.rollout import llama_decode
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
 
@@ -52,13 +52,9 @@ def _draw(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None, aliv
     number per row and vocabulary entry, which on CPU costs more than the LM head at real vocabularies; this draws
     one per row (bench/bench_sampling.py). The sum runs in float64, so a token of probability down to ~1e-16 keeps
     its share (a float32 sum would round away those under ~6e-8 late in a large vocabulary); a token of probability
-    0 (filtered out by top-k or top-p) is never drawn. On CPU without top-k or top-p the draw is tandem's C
-    (`native.sample`, where a C compiler builds it): the same draw in two passes over each row, no temporaries."""
+    0 (filtered out by top-k or top-p) is never drawn."""
     greedy = sampling.temperature <= 0
     truncated = (sampling.top_k and sampling.top_k < logits.shape[-1]) or sampling.top_p < 1.0
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and (greedy or not truncated) \
-            and logits.shape[-1] <= native.MAX_VOCAB and native.sampler()[0] is not None:
-        return native.sample(logits, sampling.temperature, None if greedy else u, alive, pad)
     if greedy:
         tok = logits.argmax(-1)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
@@ -90,8 +86,7 @@ class HFEngine:
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
-                 model=None, tokenizer=None, device: str | None = None, kv_cache_dtype: str = "model",
-                 decode_kernel: str = "auto"):
+                 model=None, tokenizer=None, device: str | None = None, kv_cache_dtype: str = "model"):
         self.tokenizer = tokenizer or load_tokenizer(model_path, trust_remote_code)
         self.model = model if model is not None else load_causal_lm(model_path, dtype, trust_remote_code)
         if device is not None:
@@ -106,13 +101,9 @@ class HFEngine:
         self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
         # the lean decoder's KV cache dtype (rollout.kv_cache_dtype); the HF forward keeps the model's
         self.kv_dtype = llama_decode.kv_cache_dtype(kv_cache_dtype, next(self.model.parameters()).dtype)
-        if (kv_cache_dtype, decode_kernel) != ("model", "auto") and not llama_decode.supports(self.model):
-            log.warning("rollout.kv_cache_dtype=%s and decode_kernel=%s apply to the lean decoder (Llama-family "
-                        "models on CPU); this model decodes with the HF forward, its cache in the model's dtype",
-                        kv_cache_dtype, decode_kernel)
-        # how the lean decoder runs a step (rollout.decode_kernel): native (tandem's C step) or torch (ops, SDPA)
-        self.decode_kernel = (llama_decode.decode_kernel(decode_kernel, self.model, self.kv_dtype)
-                              if llama_decode.supports(self.model) else "torch")
+        if kv_cache_dtype != "model" and not llama_decode.supports(self.model):
+            log.warning("rollout.kv_cache_dtype=%s applies to the lean decoder (Llama-family models on CPU); this "
+                        "model decodes with the HF forward, its cache in the model's dtype", kv_cache_dtype)
         if llama_decode.decodes(self.model):  # q/k/v and gate/up as views of one tensor each: read with no copy
             llama_decode.fuse_parameters(self.model)
         self._params = dict(self.model.named_parameters())
@@ -192,8 +183,7 @@ class HFEngine:
         if self.fast_decode and llama_decode.supports(self.model) and max_new_tokens > 1:
             fused = llama_decode.fused_layers(self.model)
             logits, kv = llama_decode.prefill(self.model, fused, ids, attn, pos)
-            decoder = llama_decode.StaticDecoder(self.model, kv, n, max_new_tokens, attn, self.kv_dtype,
-                                                  self.decode_kernel, fused)
+            decoder = llama_decode.StaticDecoder(self.model, kv, n, max_new_tokens, attn, self.kv_dtype, fused)
             return logits.repeat_interleave(n, dim=0), next_pos, decoder.step
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,

@@ -5,21 +5,13 @@ Why: on CPU a decode step of a small model is mostly Python overhead (the HF for
 ~20 modules per layer and grows a DynamicCache by concatenation, copying the whole cache every step). Here a
 step is ~15 tensor ops per layer and the cache is written in place; `prefill` runs the prompts through the same
 weights at once (the HF forward's math without its module machinery).
-Numerics match the HF forward to float rounding (the same ops in the same order; attention by tandem's C kernel,
-`native.py`, or by SDPA, or, where a group's prompt is held once and the kernel is not in use, a float32 softmax
-over the prompt's and the row's own keys). With `decode_kernel` native the whole step is one C call
-(`native.DecodeStep`: the same math, its matrix products by PyTorch's own BLAS).
+Numerics match the HF forward to float rounding (the same ops in the same order; attention by SDPA, or, where a
+group's prompt is held once, a float32 softmax over the prompt's and the row's own keys).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
-
-from tandem.rollout import native
-
-log = logging.getLogger(__name__)
 
 _SUPPORTED = ("qwen2", "llama")  # tandem.architectures.STREAMED names these too
 
@@ -52,9 +44,9 @@ def supports(model) -> bool:
 def native_bf16() -> bool:
     """The processor converts and multiplies bfloat16 natively (AVX-512 BF16 or AMX), where a bf16 KV cache's
     attention reads half the bytes at no extra cost. Without it (AVX2) SDPA's bf16 arithmetic is emulated and a
-    bf16 cache's attention measured about 3x slower than float32's (`bench/bench_trl.py --kv-cache-dtype both
-    --decode-kernel torch`); tandem's C kernel widens bf16 by a shift and is faster on bf16 anywhere. Reported by
-    the benchmarks only: no default depends on it (the KV cache is the model's dtype unless bfloat16 is asked for)."""
+    bf16 cache's attention measured about 3x slower than float32's (`bench/bench_trl.py --kv-cache-dtype both`).
+    Reported by the benchmarks only: no default depends on it (the KV cache is the model's dtype unless bfloat16 is
+    asked for)."""
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported",
                                                                          "_is_amx_tile_supported"))
 
@@ -67,31 +59,6 @@ def kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
     if requested not in ("float32", "bfloat16"):
         raise ValueError(f"kv_cache_dtype {requested!r}: use model, float32 or bfloat16")
     return getattr(torch, requested)
-
-
-def decode_kernel(requested: str, model, kv_dtype: torch.dtype) -> str:
-    """The lean decoder's kernel for `rollout.decode_kernel` (auto | native | torch): `native`, tandem's C decode
-    step and attention, where it builds and serves the model's head shapes, else `torch`, PyTorch ops with SDPA
-    (and batched products for a prompt held once per group); `auto` says why in the log, `native` raises."""
-    if requested == "torch":
-        return "torch"
-    if requested not in ("auto", "native"):
-        raise ValueError(f"decode_kernel {requested!r}: use auto, native or torch")
-    cfg, p = model.config, next(model.parameters())
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    head_dim = model.model.layers[0].self_attn.head_dim
-    why, level = native.unsupported(heads, kv_heads, head_dim, p.dtype, kv_dtype, p.device), logging.INFO
-    if not why:  # a model it serves: the build is what may fail, which a user can fix (a compiler)
-        why, level = native.library(heads // kv_heads, head_dim)[1], logging.WARNING
-    if not why:
-        if native.sgemm()[0] is None:
-            log.info("decode step: PyTorch ops around tandem's C attention (%s)", native.sgemm()[1])
-        return "native"
-    if requested == "native":
-        raise RuntimeError(f"rollout.decode_kernel=native: the kernel cannot serve this model: {why}; set "
-                           "rollout.decode_kernel=auto (or torch)")
-    log.log(level, "decode step: PyTorch ops and SDPA (tandem's native kernel: %s)", why)
-    return "torch"
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -126,11 +93,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 # bench_prompt_sharing.py` (one CPU thread, fixed-length rollouts), shared / per-row time: 74-86 KB repeated (16 rows
 # of 6-token prompts) 0.99-1.04; 393 KB 0.87 in one run and 1.13 in an earlier ad-hoc one (the crossover is within
 # this machine's noise); 786 KB 0.85; bench_trl's large rollout (1.4 MB) 0.95; 2 prompts of 256 tokens x 32 rows
-# (16 MB) 0.51. The threshold sits above the noisy band. That is SDPA's; tandem's C kernel (`native`) reads a prompt
-# held once in the same single call as the rows' own keys, so the split costs no op and a group's prompt is always
-# held once (`bench_prompt_sharing.py --decode-kernel native`: shared / per-row 0.93-1.02 from 74 KB to 1.4 MB
-# repeated, 0.64 at 16 MB).
-SHARED_PROMPT_MIN_BYTES = {"torch": 512 << 10, "native": 0}  # by `decode_kernel`
+# (16 MB) 0.51. The threshold sits above the noisy band.
+SHARED_PROMPT_MIN_BYTES = 512 << 10
 
 
 class StaticDecoder:
@@ -143,8 +107,8 @@ class StaticDecoder:
     product ([n * q_per_kv, head_dim] x [head_dim, P] per KV head: a matrix product, instead of n matrix-vector ones
     reading the same keys n times), and against each row's own generated keys; one softmax over both. GRPO samples a
     group of completions per prompt, so a long prompt's keys are read once per group and step, and held once. Where
-    that would save little (SHARED_PROMPT_MIN_BYTES, by kernel) the prompt is copied into every row's cache and
-    attention is one call (SDPA's or the kernel's).
+    that would save little (SHARED_PROMPT_MIN_BYTES) the prompt is copied into every row's cache and attention is
+    one SDPA call.
 
     The q/k/v and gate/up projections are concatenated into one weight each when the decoder is built (once per
     `generate`, after any weight load), so a layer is 4 matrix products instead of 7: fewer dispatches, and
@@ -152,19 +116,13 @@ class StaticDecoder:
 
     `kv_dtype` (default: the model's) is the cache's dtype: with bfloat16 under a float32 model the keys and values
     are rounded once as they are stored, and attention reads half the bytes: its queries are rounded to bf16 too,
-    the products accumulate in float32 and the softmax runs in float32 (tandem's C kernel, SDPA's CPU kernel, or the
-    split path's explicit `.float()`); its output returns to the model's dtype.
-
-    `kernel` (`decode_kernel`'s choice): `native` runs the whole step in one C call (`native.DecodeStep`; where
-    PyTorch exposes no BLAS to call, PyTorch ops around the C attention), both layouts' attention in tandem's C
-    kernel (the shared prompt as a segment read by each of its group's rows, one after another, from cache);
-    `torch` runs PyTorch ops and SDPA as above.
+    the products accumulate in float32 and the softmax runs in float32 (SDPA's CPU kernel, or the split path's
+    explicit `.float()`); its output returns to the model's dtype.
     """
 
     def __init__(self, model, cache, n: int, max_new: int, prompt_mask: torch.Tensor,
-                 kv_dtype: torch.dtype | None = None, kernel: str = "torch", fused: list[tuple] | None = None):
+                 kv_dtype: torch.dtype | None = None, fused: list[tuple] | None = None):
         self.model = model
-        self.native, self.attention = kernel == "native", _KERNELS[kernel]  # `decode_kernel`'s choice
         self.layers = model.model.layers
         a = self.layers[0].self_attn
         self.head_dim, self.scaling = a.head_dim, a.scaling
@@ -176,7 +134,7 @@ class StaticDecoder:
         p = next(model.parameters())
         self.kv_dtype = kv_dtype or p.dtype  # the cache's; the queries are rounded to it for attention
         repeated = (n - 1) * U * P * self.kv_heads * self.head_dim * 2 * self.kv_dtype.itemsize  # keys and values
-        self.shared = n > 1 and repeated >= SHARED_PROMPT_MIN_BYTES[kernel]
+        self.shared = n > 1 and repeated >= SHARED_PROMPT_MIN_BYTES
         own = max_new if self.shared else P + max_new  # slots of a row's own cache
         self.prompt_k, self.prompt_v, self.k, self.v = [], [], [], []
         for i in range(len(self.layers)):
@@ -193,40 +151,26 @@ class StaticDecoder:
             self.v.append(v)
         self.w = fused if fused is not None else fused_layers(model)
         self.rotary = rotary_tables(model, int(prompt_mask.sum(-1).max()) + max_new)
-        if self.shared and self.native:  # the prompt positions each group's rows see (not its left padding)
-            self.prompt_seen = prompt_mask.bool().contiguous()
-        elif self.shared:  # added to a prompt's attention scores: -inf on its left padding
+        if self.shared:  # added to a prompt's attention scores: -inf on its left padding
             self.prompt_bias = torch.zeros((U, 1, 1, P), dtype=torch.float32, device=p.device)
             self.prompt_bias.masked_fill_(~prompt_mask.bool()[:, None, None, :], float("-inf"))
         else:  # key positions a row may see: its prompt's real tokens, and every generated slot once written
             self.mask = torch.ones((U * n, own), dtype=torch.bool, device=p.device)
             self.mask[:, :P] = prompt_mask.bool().repeat_interleave(n, dim=0)
         self.generated = 0
-        self.whole_step = _whole_step(self.native, model, self.w, self.rotary, self.k, self.v,
-                                      (self.prompt_k, self.prompt_v, self.prompt_seen)
-                                      if self.shared and self.native else None)
-        self.row_slots = torch.empty(U * n, dtype=torch.long, device=p.device)  # the whole step's: each row's slot
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] of the next token after feeding `tokens` [B] at `positions` [B] (B = U * n rows, the n rows
         of each prompt next to each other)."""
         slot = self.generated if self.shared else self.prompt_len + self.generated  # this token's cache slot
-        if self.whole_step is not None:
-            self.generated += 1
-            return self.whole_step(tokens, positions, self.row_slots.fill_(slot), slot + 1,
-                                   None if self.shared else self.mask)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k[i], self.v[i]
             kc[:, :, slot] = k
             vc[:, :, slot] = v
-            if self.shared and self.native:
-                return native.decode_attention(q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], None, self.scaling,
-                                               prompt=(self.prompt_k[i], self.prompt_v[i], self.prompt_seen))
             if self.shared:
                 return self._split_attention(q.to(self.kv_dtype), i, slot + 1).to(q.dtype)
-            return self.attention(q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], self.mask[:, : slot + 1],
-                                  self.scaling)
+            return _attention(q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], self.mask[:, : slot + 1], self.scaling)
 
         logits = decode_layers(self.model, self.w, self.rotary, tokens, positions, attend)
         self.generated += 1
@@ -251,18 +195,6 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Te
     where `seen` [B, L] allows: SDPA, the query rounded to the cache's dtype and the output returned to its own."""
     return F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=seen[:, None, None, :],
                                           scale=scale, enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
-
-
-# `decode_kernel`'s names: each row's query against its own cached keys, (q, k, v, seen, scale) -> [B, H, D]
-_KERNELS = {"native": native.decode_attention, "torch": _attention}
-
-
-def _whole_step(native_kernel: bool, model, fused, rotary, k, v, prompt=None) -> native.DecodeStep | None:
-    """The decode step in one C call for `decode_kernel` native, where PyTorch's BLAS can be called from C; else
-    None (the step runs PyTorch ops, attention in `_KERNELS`)."""
-    if not native_kernel or native.sgemm()[0] is None:
-        return None
-    return native.DecodeStep(model, fused, rotary, k, v, prompt)
 
 
 def decode_layers(model, fused: list[tuple], rotary: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor,
@@ -326,15 +258,12 @@ class SlotDecoder:
     between any two steps while the others decode. Rows are kept in slots 0..len(rows)-1 (a leaving row's slot
     takes the last row's), so a step reads the caches as one slice, no gather.
 
-    The same layer math as `StaticDecoder` (`decode_layers`, or with `kernel` native the whole step in one C call);
-    attention is one call (SDPA's or the kernel's) over each row's own positions. After the model's weights change,
-    `refresh` re-fuses them; the rows' keys and values are then stale, and the caller prefills them again (`fill`)
-    if it wants them exact."""
+    The same layer math as `StaticDecoder` (`decode_layers`); attention is one SDPA call over each row's own
+    positions. After the model's weights change, `refresh` re-fuses them; the rows' keys and values are then stale,
+    and the caller prefills them again (`fill`) if it wants them exact."""
 
-    def __init__(self, model, slots: int, capacity: int, kv_dtype: torch.dtype | None = None,
-                 kernel: str = "torch"):
+    def __init__(self, model, slots: int, capacity: int, kv_dtype: torch.dtype | None = None):
         self.model, self.slots, self.capacity = model, slots, capacity
-        self.native, self.attention = kernel == "native", _KERNELS[kernel]  # `decode_kernel`'s choice
         a, p = model.model.layers[0].self_attn, next(model.parameters())
         self.scaling = a.scaling
         shape = (slots, model.config.num_key_value_heads, capacity, a.head_dim)
@@ -349,7 +278,6 @@ class SlotDecoder:
     def refresh(self) -> None:
         """The model's weights changed: decode with the new ones (the rows' caches still hold the old ones')."""
         self.w = fused_layers(self.model)
-        self.whole_step = _whole_step(self.native, self.model, self.w, self.rotary, self.k, self.v)
 
     def fill(self, keys: list, prefixes: list[list[int]]) -> torch.Tensor:
         """New rows `keys` with these prefixes (prompt and any tokens already sampled), prefilled (`prefill`);
@@ -416,17 +344,13 @@ class SlotDecoder:
             raise RuntimeError(f"a row reached the stream's {self.capacity} positions")
         upto = int(pos.max()) + 1
         seen = torch.arange(upto, device=pos.device)[None, :] <= pos[:, None]  # [b, upto]: each row's own positions
-        if self.whole_step is not None:
-            logits = self.whole_step(tokens, pos, pos, upto, seen)
-            self.length[:b] += 1
-            return logits
         rows = torch.arange(b, device=pos.device)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k[i], self.v[i]
             kc[rows, :, pos] = k.to(self.kv_dtype)  # an indexed write does not cast
             vc[rows, :, pos] = v.to(self.kv_dtype)
-            return self.attention(q, kc[:b, :, :upto], vc[:b, :, :upto], seen, self.scaling)
+            return _attention(q, kc[:b, :, :upto], vc[:b, :, :upto], seen, self.scaling)
 
         logits = decode_layers(self.model, self.w, self.rotary, tokens, pos.clone(), attend)
         self.length[:b] += 1

@@ -65,8 +65,7 @@ class HFStream:
                              f"{engine.model.config.model_type!r}; use placement.schedule: async")
         self.engine, self.sampling = engine, sampling
         with torch.inference_mode():  # its caches are written only in inference mode (every method here)
-            self.decoder = llama_decode.SlotDecoder(engine.model, slots, capacity, engine.kv_dtype,
-                                                   engine.decode_kernel)
+            self.decoder = llama_decode.SlotDecoder(engine.model, slots, capacity, engine.kv_dtype)
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
         self.draws: dict[Hashable, list[float]] = {}  # each running request's uniforms, one per token (`_draw`)

@@ -25,9 +25,9 @@ log = logging.getLogger("tandem.run.checkpoint")
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 # Every file of a checkpoint with its size and checksum, written into the folder before the rename publishes it.
 CHECKSUMS = "checksums.json"
-# xxh3_128 (the xxhash package): 6.7-10.9 GB/s streaming from the page cache on the reference machine against 1.2
-# for sha256 and 0.5 for blake2b (see docs/design-notes.md). It finds accidental damage (a flipped bit, a torn
-# copy); it is no defence against someone who edits files on purpose. The list records the algorithm it used.
+# xxh3_128 (the xxhash package): several times sha256's rate (bench/bench_checkpoint.py prints both). It finds
+# accidental damage (a flipped bit, a torn copy); it is no defence against someone who edits files on purpose. The
+# list records the algorithm it used.
 ALGORITHM = "xxh3_128"
 CHUNK = 4 << 20  # bytes read at a time: memory stays bounded whatever the file's size
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # one file per thread; both hashes release the GIL

@@ -12,7 +12,7 @@ Process tree, inside new mount, network and pid namespaces (and a user namespace
 Only the supervisor and the harness hold the report pipe and only the harness the tests' file: nothing the program
 can read, print or patch reaches the verdict. The report is a sequence of framed records (a tag byte, a length, the
 payload), the verdict one JSON record: no text of the program's can shape another record or field. How the tests
-meet the program's objects (only data crosses, through mirrors): judge.py, loaded here before confinement.
+meet the program's objects (only data crosses, through mirrors): the judge package, loaded here before confinement.
 """
 import os
 import sys
@@ -25,10 +25,11 @@ if MODE == "judge":
     import importlib.util
     import json
 
-    _spec = importlib.util.spec_from_file_location(
-        "tandem_sandbox_judge", os.path.join(os.path.dirname(os.path.abspath(__file__)), "judge.py"))
-    judge = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(judge)
+    _where = os.path.join(os.path.dirname(os.path.abspath(__file__)), "judge")
+    _spec = importlib.util.spec_from_file_location("tandem_sandbox_judge", os.path.join(_where, "__init__.py"),
+                                                   submodule_search_locations=[_where])
+    judge = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(judge)  # all of it, before the file system goes
     library, packages = (json.loads(JUDGE)[k] for k in ("library", "packages"))
 
 

@@ -23,7 +23,7 @@ Judging assert-style tests (`judge_python`): the program and the tests run in tw
 without root, the harness not dumpable and the program without capabilities). The harness holds the tests and the only
 channel the verdict travels on (one framed JSON record on the report pipe); the program's objects reach the tests as
 mirrors over a socket, only data crosses, and a program object never judges its relation to a value of the tests
-(`judge.py`). So an early `sys.exit(0)`, a printed verdict, a verdict shaped in an exception's text, a patched
+(the `judge` package). So an early `sys.exit(0)`, a printed verdict, a verdict shaped in an exception's text, a patched
 `builtins` or `AssertionError`, an `atexit` hook, `os._exit` after a fake success line, or a result whose `__eq__`,
 `__lt__`, `__contains__` or `__sub__` always says yes cannot pass a test: there is no secret to read and nothing the
 program does in its own process reaches the harness. `boot.py` is the confined side.
@@ -289,7 +289,7 @@ def judge_python(solution: str, tests: str, limits: SandboxLimits = SandboxLimit
     `passed` is the harness's verdict (see the module docstring for why the program cannot forge it).
 
     Where the program defines a name the tests read that also names a standard-library function or constant the
-    tests may rely on (`Counter`, `sqrt`, `pi`: judge.LIBRARY_NAMES), a passing verdict is checked by a second run
+    tests may rely on (`Counter`, `sqrt`, `pi`: judge.names.LIBRARY_NAMES), a passing verdict is checked by a second run
     with the tests reading the library's instead: the tests must pass both ways."""
     first = _launch(solution, tests, "", limits, isolate, python, tuple(packages))
     if not (first.passed and first.library):

@@ -20,7 +20,6 @@ from tandem.algo import (
 )
 from tandem.config import AlgoConfig, LoraConfig, OldLogprobs, OptimConfig
 from tandem.modeling import load_causal_lm
-from tandem.train import fused
 from tandem.train.batch import MicroBatch, dummy_micro_batch
 from tandem.train.offload import Offloader
 from tandem.train.stats import StepStats
@@ -210,7 +209,6 @@ class Policy:
         if device is not None:
             self.model.to(device)
         self.model.train()
-        self._fuse(self.model)
         # see token_logprobs: FSDP's hooks want one forward per backward
         self.share_prompts = self.mesh is None and shares_prompts(self.model)
         self.expert_parallel = expert_parallel if self.mesh is not None else 1
@@ -233,14 +231,6 @@ class Policy:
         for group in ("params", "grads", "optim", "ref"):
             self.offloader.register(group, lambda g=group: self._tensors(g))
 
-    @staticmethod
-    def _fuse(model) -> None:
-        """On CPU, the fused SiLU gate and RMS norm (`fused.fuse`) and grouped-query attention without copied heads
-        (`fused.group_attention`): fewer passes over a micro-batch's activations."""
-        if next(model.parameters()).device.type == "cpu":
-            fused.fuse(model)
-            fused.group_attention(model)
-
     def _reference(self, model_path: str, dtype: str, trust_remote_code: bool, device: str | None):
         """The frozen reference model, sharded as the policy; None without KL (a model's memory and a forward per
         step: only when used) or with LoRA (the policy with its adapters off is the reference)."""
@@ -251,7 +241,6 @@ class Policy:
         ref = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
         if device is not None:
             ref.to(device)
-        self._fuse(ref)
         parallelize(ref, self.mesh, self.expert_parallel)
         return ref
 

@@ -155,7 +155,7 @@ class Placement:
             for g in self.groups:
                 g.shutdown()
         finally:  # after the workers are gone: a killed one leaves its segments behind
-            from tandem.rollout.vllm_engine import remove_segments
+            from tandem.rollout.vllm.process import remove_segments
 
             remove_segments(self.leftovers)
 

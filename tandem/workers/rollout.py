@@ -27,8 +27,7 @@ def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
     m, r = cfg.model, cfg.rollout
     if r.engine == "hf":
         return "hf", dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, trust_remote_code=m.trust_remote_code,
-                          device=device, kv_cache_dtype=r.kv_cache_dtype,
-                          decode_kernel=r.decode_kernel)
+                          device=device, kv_cache_dtype=r.kv_cache_dtype)
     v = r.vllm
     kwargs = dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, max_model_len=v.max_model_len or None,
                   kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,

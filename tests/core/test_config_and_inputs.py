@@ -28,6 +28,9 @@ def test_unknown_key_suggests_nearest(tmp_path):
     p.write_text("rolout:\n  temperature: 1.0\n")
     with pytest.raises(ConfigError, match=r"rolout: unknown key; did you mean 'rollout'"):
         load_config(p)
+    p.write_text("rollout:\n  decode_kernel: native\n")  # a field since removed (tandem's C decode step), by name
+    with pytest.raises(ConfigError, match=r"rollout\.decode_kernel: unknown key"):
+        load_config(p)
 
 
 @pytest.mark.parametrize("override, hint", [
@@ -100,8 +103,6 @@ def test_bad_value_names_field_and_value():
      r"parallelism for the experts"),
     (["rollout.engine=vllm", "rollout.kv_cache_dtype=bfloat16"], r"rollout\.kv_cache_dtype: bfloat16 is the hf "
      r"engine's; vLLM's KV cache follows the model's dtype"),
-    (["rollout.engine=vllm", "rollout.decode_kernel=native"], r"rollout\.decode_kernel: native is the hf "
-     r"engine's; vLLM runs its own kernels"),
 ])
 def test_impossible_arithmetic_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -283,11 +284,10 @@ def test_the_default_kv_cache_is_the_models_dtype_where_the_processor_has_native
     """Defaults give the same numerics on every processor: the hf engine's KV cache follows the model's dtype unless
     a config asks for bfloat16. (`auto` picked bf16 for a float32 model where bf16 is native: on a 30-layer float32
     checkpoint the sampler then stood 4.7e-3..6.1e-3 per token off the trainer, worst token 0.17, against 2.7e-6..
-    3.0e-6 with a float32 cache.) Native bf16 reported as the old code asked for it, by variable and by probe."""
+    3.0e-6 with a float32 cache.) Native bf16 reported as the old code probed it."""
     from tandem.rollout import llama_decode
     from tandem.rollout.hf import HFEngine
 
-    monkeypatch.setenv("TANDEM_NATIVE_BF16", "1")
     monkeypatch.setattr(llama_decode, "native_bf16", lambda: True, raising=False)
     rollout = load_config(None, []).rollout
     assert llama_decode.kv_cache_dtype(rollout.kv_cache_dtype, torch.float32) == torch.float32

@@ -58,7 +58,7 @@ def test_bad_safetensors_are_named_before_the_model_loads(model_copy):
         with pytest.raises(ModelFolderError, match=truncated):
             check(str(model_copy))
 
-    from tandem.rollout.vllm_engine import _Checkpoint  # both vLLM engines read the checkpoint through it
+    from tandem.rollout.vllm.weights import _Checkpoint  # both vLLM engines read the checkpoint through it
     with pytest.raises(ModelFolderError, match=truncated):
         _Checkpoint(str(model_copy), torch.float32)
 

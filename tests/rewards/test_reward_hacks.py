@@ -368,7 +368,7 @@ def test_correct_code_passes_and_its_wrong_twin_fails(case):
 
 
 # What the mirrors of the program's objects must not let through: relations with the tests' values decided by the
-# program (the rule in judge.py), a swallowed assertion of the tests', a program gone inside `except Exception`, a
+# program (the rule in sandbox/judge/mirrors.py), a swallowed assertion of the tests', a program gone inside `except Exception`, a
 # method of the tests' object hidden by the copy-back, a crafted message on the program's socket.
 ATTACKS = {
     "arithmetic that returns what the tests want": (

@@ -13,7 +13,7 @@ ATTN = "model.layers.0.self_attn."
 
 
 def test_an_update_travels_by_whole_fused_modules_and_the_copy_follows_it(tiny_models):
-    from tandem.rollout.vllm_engine import EngineWeights
+    from tandem.rollout.vllm.weights import EngineWeights
 
     updates = EngineWeights(str(tiny_models["untied"]), "float32", bucket_mb=1)
     updates.attach(PACKED, on_cpu=True)  # the reload path: vLLM rebuilds a whole qkv_proj from what it is sent
@@ -34,7 +34,7 @@ def test_an_update_travels_by_whole_fused_modules_and_the_copy_follows_it(tiny_m
 
 
 def test_buckets_hold_at_most_the_limit_and_a_gpu_engine_keeps_no_copy(tiny_models):
-    from tandem.rollout.vllm_engine import EngineWeights
+    from tandem.rollout.vllm.weights import EngineWeights
 
     updates = EngineWeights(str(tiny_models["tied"]), "float32", bucket_mb=1)
     updates.attach(PACKED, on_cpu=False)  # vLLM's own loader takes a part of a fused module

@@ -8,7 +8,6 @@ import torch
 
 from tandem.modeling import load_causal_lm, load_tokenizer
 from tandem.rollout import Sampling
-from tandem.rollout import native
 from tandem.rollout.hf import HFEngine, _draw, filter_logits, uniforms
 
 
@@ -34,12 +33,10 @@ def recompute_logprobs(model, prompt, completion, temperature):
 @pytest.fixture(params=["prompt per row", "prompt shared"])
 def prompt_cache(request, monkeypatch):
     """Both ways the lean decoder holds a prompt: copied into each row's cache, or once for its group (split
-    attention), each forced by the threshold of whichever attention kernel the engine runs."""
+    attention), each forced by the threshold."""
     from tandem.rollout import llama_decode
 
-    threshold = 1 if request.param == "prompt shared" else 1 << 62
-    for kernel in llama_decode.SHARED_PROMPT_MIN_BYTES:  # either layout under either attention kernel
-        monkeypatch.setitem(llama_decode.SHARED_PROMPT_MIN_BYTES, kernel, threshold)
+    monkeypatch.setattr(llama_decode, "SHARED_PROMPT_MIN_BYTES", 1 if request.param == "prompt shared" else 1 << 62)
     return request.param
 
 
@@ -127,18 +124,8 @@ def test_filter_logits_top_p_keeps_smallest_set():
     assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [[True, True, False, False]]
 
 
-@pytest.fixture(params=["C draw", "torch draw"])
-def draw_path(request, monkeypatch):
-    """`_draw` as it runs: tandem's C draw (without top-k and top-p, where it builds) or PyTorch ops."""
-    if request.param == "torch draw":
-        monkeypatch.setattr(native, "sampler", lambda: (None, "turned off by the test"))
-    else:
-        assert native.sampler()[0] is not None, native.sampler()[1]
-    return request.param
-
-
 @pytest.mark.parametrize("top_k", [0, 5])
-def test_a_draw_inverts_each_rows_cumulative_distribution_at_its_uniform(draw_path, top_k):
+def test_a_draw_inverts_each_rows_cumulative_distribution_at_its_uniform(top_k):
     """Row r's token is the first whose cumulative probability (after temperature and top-k) exceeds u[r] times the
     total; its logprob is under the temperature, before truncation; a filtered-out token is never drawn, even at
     the ends of [0, 1)."""
@@ -158,7 +145,7 @@ def test_a_draw_inverts_each_rows_cumulative_distribution_at_its_uniform(draw_pa
     assert torch.allclose(logp, torch.log_softmax(logits / 0.7, -1).gather(-1, tok[:, None]).squeeze(-1), atol=1e-6)
 
 
-def test_a_draw_keeps_the_share_of_a_token_too_rare_for_a_float32_sum(draw_path):
+def test_a_draw_keeps_the_share_of_a_token_too_rare_for_a_float32_sum():
     """A token of probability 1e-12 after half the mass: a float32 running sum does not move past it (0.5 + 1e-12
     rounds to 0.5), so it could never be drawn; the float64 sum keeps its interval."""
     logits = torch.tensor([[0.0, -27.631, 0.0]])  # p = 0.5, ~5e-13, 0.5
@@ -167,7 +154,7 @@ def test_a_draw_keeps_the_share_of_a_token_too_rare_for_a_float32_sum(draw_path)
     assert _draw(logits, Sampling(temperature=1.0), inside)[0].item() == 1
 
 
-def test_draws_follow_the_distribution_and_uniforms_come_from_each_prompts_generator(draw_path):
+def test_draws_follow_the_distribution_and_uniforms_come_from_each_prompts_generator():
     probs = torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0]])
     logits = probs.log().expand(20000, -1).contiguous()
     u = uniforms([torch.Generator().manual_seed(5)], 20000, 1)[:, 0]
@@ -181,24 +168,6 @@ def test_draws_follow_the_distribution_and_uniforms_come_from_each_prompts_gener
     want = torch.cat([torch.rand((3, 2), dtype=torch.float64, generator=torch.Generator().manual_seed(s))
                       for s in (1, 2)], 1)
     assert torch.equal(got, want)
-
-
-def test_the_c_draw_is_the_torch_draw(monkeypatch):
-    """Across a large vocabulary (blocks of the C search, a partial last one), temperatures and greedy, rows that
-    have finished: the same tokens, logprobs equal to float rounding, padding where a row has finished."""
-    logits = torch.randn(64, 3000, generator=torch.Generator().manual_seed(6)) * 4
-    logits[::7, 100:2000] = float("-inf")
-    logits[1, [5, 9]] = 50.0  # a tie for the largest: greedy takes the first, as torch.argmax
-    u = torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-    alive = torch.rand(64, generator=torch.Generator().manual_seed(8)) > 0.2
-    for temperature in (1.0, 0.6, 0.0):
-        sampling = Sampling(temperature=temperature)
-        c_tok, c_logp = _draw(logits, sampling, u, alive, pad=-1)
-        with monkeypatch.context() as m:
-            m.setattr(native, "sampler", lambda: (None, "turned off by the test"))
-            t_tok, t_logp = _draw(logits, sampling, u, alive, pad=-1)
-        assert torch.equal(c_tok, t_tok) and (c_tok[~alive] == -1).all()
-        assert torch.allclose(c_logp[alive], t_logp[alive], atol=2e-5)
 
 
 def test_load_weights_refuses_bad_names_and_shapes_without_changing_anything(engine):

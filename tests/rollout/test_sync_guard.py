@@ -26,7 +26,7 @@ EMBED = "model.embed_tokens.weight"
 
 @pytest.fixture(scope="module")
 def engine(tiny_models):
-    from tandem.rollout.vllm_engine import VLLMEngine
+    from tandem.rollout.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(str(tiny_models["tied"]), max_model_len=256, kv_cache_bytes=32 << 20)
     yield eng
@@ -65,11 +65,11 @@ def test_a_whole_sync_with_a_tied_head_given_twice_is_accepted(engine, weights):
 
 
 def test_a_corrupted_bucket_stops_the_run_naming_the_engine_and_the_parameter(tiny_models, tmp_path, monkeypatch):
-    from tandem.rollout import vllm_engine
+    from tandem.rollout.vllm import weights as engine_weights
     from tandem.trainer import train
 
-    buckets = vllm_engine._buckets
-    monkeypatch.setattr(vllm_engine, "_buckets", lambda *a, **k: (corrupt(b) for b in buckets(*a, **k)))
+    buckets = engine_weights._buckets
+    monkeypatch.setattr(engine_weights, "_buckets", lambda *a, **k: (corrupt(b) for b in buckets(*a, **k)))
     out = tmp_path / "run"
     with pytest.raises(Exception, match="max_logprob_diff") as err:
         train(guard_config(tiny_models["tied"], out, "rollout.engine=vllm", "rollout.vllm.kv_cache_mb=32",

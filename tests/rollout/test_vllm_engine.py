@@ -35,7 +35,7 @@ def state():
 
 @pytest.fixture(scope="module")
 def engine(tiny_models, state):
-    from tandem.rollout.vllm_engine import VLLMEngine
+    from tandem.rollout.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(str(tiny_models["tied"]), seed=0, max_model_len=1024, kv_cache_bytes=64 << 20)
     yield eng
@@ -272,7 +272,7 @@ def test_untied_model_and_bucketing(tiny_models, engine):
     """A second model in the same process: untied lm_head updates, many small buckets, HF parity."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.rollout.vllm_engine import VLLMEngine
+    from tandem.rollout.vllm.engine import VLLMEngine
 
     hf_u = AutoModelForCausalLM.from_pretrained(str(tiny_models["untied"]), dtype=torch.float32).eval()
     sd = hf_u.state_dict()
@@ -314,7 +314,7 @@ def test_process_is_left_as_found(engine, state):
 def test_sleep_wake_on_cpu_is_a_logged_no_op(engine, caplog):
     if not engine.on_cpu:
         pytest.skip("CPU behaviour")
-    with caplog.at_level(logging.WARNING, logger="tandem.rollout.vllm_engine"):
+    with caplog.at_level(logging.WARNING, logger="tandem.rollout.vllm.engine"):
         assert engine.sleep() == 0
         assert engine.wake() == 0
         assert engine.sleep() == 0

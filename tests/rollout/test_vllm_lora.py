@@ -26,7 +26,7 @@ SAMPLING = Sampling(n=2, temperature=1.0, max_new_tokens=12, seed=3, ignore_eos=
 
 @pytest.fixture(scope="module")
 def engine(vllm_model):
-    from tandem.rollout.vllm_engine import VLLMEngine
+    from tandem.rollout.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(str(vllm_model), seed=0, max_model_len=128, kv_cache_bytes=64 << 20, lora_rank=RANK)
     yield eng
@@ -118,7 +118,7 @@ def test_lora_run_on_one_vllm_engine_then_its_merged_export_served_by_vllm(vllm_
     from tandem.cli import main
     from tandem.config import load_config
     from tandem.modeling import load_causal_lm
-    from tandem.rollout.vllm_engine import VLLMEngine
+    from tandem.rollout.vllm.engine import VLLMEngine
     from tandem.trainer import train
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # toy_rewards

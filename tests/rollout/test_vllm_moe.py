@@ -38,7 +38,7 @@ def moe(tmp_path_factory):
     would send after an update)."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.rollout.vllm_engine import VLLMEngine
+    from tandem.rollout.vllm.engine import VLLMEngine
 
     path = zoo_models.build(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -24,7 +24,7 @@ def test_server_generates_and_updates_weights(tiny_models, tmp_path):
     """One server start (~60 s on 2 cores): generation against HF, a fused partial update, refusal of bad names."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.rollout.vllm_engine import VLLMServerEngine
+    from tandem.rollout.vllm.server import VLLMServerEngine
 
     path = str(tiny_models["tied"])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

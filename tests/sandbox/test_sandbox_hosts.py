@@ -84,8 +84,10 @@ def run_elsewhere(as_user: bool, namespaces: bool) -> dict:
     where = tempfile.mkdtemp(prefix="tandem-sandbox-copy-")
     try:
         os.chmod(where, 0o755)
-        for f in ("runner.py", "boot.py", "judge.py"):
+        for f in ("runner.py", "boot.py"):
             shutil.copy(os.path.join(SANDBOX_DIR, f), where)
+        shutil.copytree(os.path.join(SANDBOX_DIR, "judge"), os.path.join(where, "judge"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
         with open(os.path.join(where, "probe.py"), "w") as f:
             f.write(("" if namespaces else NO_NAMESPACES) + PROBE)
         top = "/root/" + python[len("/root/"):].split("/")[0]  # e.g. /root/.pyenv

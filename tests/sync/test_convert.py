@@ -121,7 +121,7 @@ def test_fsdp_shards_of_fused_experts_plan_into_the_engines_tensors_each_byte_on
     empty for some); the converted layout is planned straight into the engine's per-expert tensors on every rank:
     the plan checks against the engine's manifest, each piece read from the real fused shard is that expert's
     slice, and the bytes moved are the lower bound (nothing gathered whole first)."""
-    from tandem.rollout.vllm_engine import _Checkpoint
+    from tandem.rollout.vllm.weights import _Checkpoint
 
     path, model = moe[arch]
     named = _named(model)
@@ -147,7 +147,7 @@ def test_fsdp_shards_of_fused_experts_plan_into_the_engines_tensors_each_byte_on
 def test_the_engine_sends_a_layers_experts_together_as_the_views_themselves(moe):
     """vLLM's CPU reload rebuilds a layer's fused-MoE module once all its experts have arrived: they travel in one
     bucket, as the trainer's views (no copy), and an update with part of them is refused by name."""
-    from tandem.rollout.vllm_engine import EngineWeights
+    from tandem.rollout.vllm.weights import EngineWeights
 
     path, model = moe["qwen3_moe"]
     named = _named(model)

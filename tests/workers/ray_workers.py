@@ -78,7 +78,7 @@ def ray_session(*, address: str | None = None, num_cpus: float | None = None, nu
                 object_store_memory: int | None = None) -> Iterator[None]:
     """Hold one Ray session across several tests' `start_groups` (each ray.init costs seconds); shut down on exit
     if this opened it."""
-    from tandem.workers.ray_group import _acquire_ray, _release_ray
+    from tandem.workers.ray_session import _acquire_ray, _release_ray
 
     owned = _acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
     try:

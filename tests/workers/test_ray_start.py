@@ -18,9 +18,10 @@ pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 CHECKOUT = Path(__file__).resolve().parents[2]
-# A controller as `tandem` starts its own Ray (tandem.workers.ray_group), which then waits to be killed.
-CONTROLLER = ("import sys, time; from tandem.workers import ray_group; "
-              "ray_group._acquire_ray(None, 1, 0, None, False, 80 << 20); print('ready', flush=True); time.sleep(600)")
+# A controller as `tandem` starts its own Ray (tandem.workers.ray_session), which then waits to be killed.
+CONTROLLER = ("import sys, time; from tandem.workers import ray_session; "
+              "ray_session._acquire_ray(None, 1, 0, None, False, 80 << 20); "
+              "print('ready', flush=True); time.sleep(600)")
 
 
 def test_a_resource_tandems_own_ray_lacks_is_refused_before_any_wait(tiny_model, tmp_path):

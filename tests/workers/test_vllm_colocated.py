@@ -25,7 +25,7 @@ from test_placement import (  # noqa: E402
 from tandem.run import checkpoint  # noqa: E402
 from tandem.config import ConfigError, load_config  # noqa: E402
 from tandem.rollout import Samples, Sampling  # noqa: E402
-from tandem.rollout.vllm_engine import remove_segments  # noqa: E402
+from tandem.rollout.vllm.process import remove_segments  # noqa: E402
 from tandem.sync.layout import EngineTP, Mesh, Spec, build_layout, engine_tp_layout  # noqa: E402
 from tandem.sync.planner import plan, plan_to_replicas  # noqa: E402
 from tandem.trainer import train  # noqa: E402

@@ -1,0 +1,74 @@
+"""What both vLLM engines ask of vLLM and read back: sampling parameters, requests per prompt, completions.
+
+And the worker extension both load into vLLM's workers (`WORKER_EXTENSION`)."""
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.rollout.base import Completion, Sampling
+
+WORKER_EXTENSION = "tandem.rollout.vllm_worker.TandemWorkerExtension"
+
+
+def _sampling_kwargs(sampling: Sampling, n: int, seed: int | None) -> dict[str, Any]:
+    return dict(
+        n=n,
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p),
+        top_k=int(sampling.top_k) if sampling.top_k > 0 else 0,
+        max_tokens=int(sampling.max_new_tokens),
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        ignore_eos=bool(sampling.ignore_eos),
+        seed=seed,
+        logprobs=0,  # the sampled token's logprob only
+        include_stop_str_in_output=True,  # the text ends after the stop string, like the token ids
+        skip_special_tokens=True,
+    )
+
+
+def _engine_only_kwargs(sampling: Sampling) -> dict[str, Any]:
+    # vLLM detokenizes every step of every sequence, and decodes the text of every logprob token, in Python:
+    # on small models that costs more than the forward pass. Only stop strings need it; otherwise the text is
+    # decoded once per completion afterwards.
+    return dict(detokenize=bool(sampling.stop), flat_logprobs=True)
+
+
+def _requests(prompts: list[list[int]], sampling: Sampling) -> list[tuple[int, list[int], int, int | None]]:
+    """(prompt index, ids, n, seed) per engine request. vLLM refuses n > 1 when greedy, so greedy repeats prompts."""
+    if sampling.n < 1:
+        raise ValueError(f"Sampling.n must be >= 1, got {sampling.n}")
+    greedy = sampling.temperature == 0
+    out = []
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        # Distinct per-prompt seeds; vLLM gives the j-th sample of a request seed + j.
+        seed = None if sampling.seed is None else int(sampling.seed) + i * sampling.n
+        if sampling.seeds:
+            seed = int(sampling.seeds[i])
+        if greedy:
+            out.extend((i, list(ids), 1, seed) for _ in range(sampling.n))
+        else:
+            out.append((i, list(ids), sampling.n, seed))
+    return out
+
+
+def _completions(out: Any, i: int, ids: list[int], detokenized: bool) -> list[Completion]:
+    """The completions of one vLLM request output for prompt `i` (text left empty unless vLLM detokenized)."""
+    completions = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        toks = list(c.token_ids)
+        lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(toks)] if toks else []
+        completions.append(Completion(
+            prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c.text if detokenized else "",
+            finish_reason=_finish(c.finish_reason, f"prompt {i}"), prompt_index=i,
+            meta={"stop_reason": c.stop_reason, "cached_prompt_tokens": out.num_cached_tokens or 0},
+        ))
+    return completions
+
+
+def _finish(reason: str | None, where: str) -> str:
+    if reason in ("stop", "length"):
+        return reason
+    raise RuntimeError(f"vLLM ended {where} with finish_reason={reason!r}")
