@@ -6,10 +6,10 @@ A random Qwen2 (fp32, tied embeddings; the defaults give ~124 M parameters) and 
 two moments: twice the weights) are built here, no download. Each round saves the same checkpoint twice through
 `tandem.run.checkpoint.save`, as the trainer does (`save_pretrained` + `torch.save` of the optimizer, RNG and trainer
 state, fsync of every file, rename, the previous checkpoint pruned), once with its checksum pass replaced by
-nothing (the save before checksums) and once as it is, in alternating order. The table gives the median of each, their ratio, and the
-checksum pass timed inside each save (`write_checksums`: every file read back from the page cache and hashed):
-that is the cost itself, where the saves' own times vary by more than it (fsync, a shared disk). Then the resume
-check (`checkpoint.problems`, which reads every byte against checksums.json) on the saved checkpoint, with its
+nothing (the save before checksums) and once as it is, in alternating order. The table gives the median of each, their
+ratio, and the checksum pass timed inside each save (`write_checksums`: every file read back from the page cache and
+hashed): that is the cost itself, where the saves' own times vary by more than it (fsync, a shared disk). Then the
+resume check (`checkpoint.problems`, which reads every byte against checksums.json) on the saved checkpoint, with its
 files in the page cache (a resume right after the save) and evicted from it (posix_fadvise DONTNEED: a resume
 read from disk), beside the same check on the checkpoint saved without checksums (headers and sizes only); and
 each hash's rate over the same files from the page cache. One torch thread; the checksums hash one file per
@@ -18,6 +18,7 @@ thread, up to `checkpoint.HASH_THREADS` (printed). Disk figures are this machine
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -105,8 +106,8 @@ def main() -> None:
         for r in range(args.rounds + 1):  # round 0 warms up (imports, first allocations) and is not timed
             for with_sums in ((False, True) if r % 2 else (True, False)):
                 checkpoint.write_checksums = timed_checksums if with_sums else no_checksums
-                t = timed(lambda: checkpoint.save(roots[with_sums], r + 1, write_model, {"step": r + 1, "data": {}},
-                                                  keep=1))
+                t = timed(functools.partial(checkpoint.save, roots[with_sums], r + 1, write_model,
+                                            {"step": r + 1, "data": {}}, keep=1))
                 if r:
                     times[with_sums].append(t)
                 elif sums:
@@ -127,7 +128,8 @@ def main() -> None:
         rates = {}
         for alg in ("xxh3_128", "sha256", "blake2b"):
             checkpoint._digests(folder, names, alg)
-            rates[alg] = size / min(timed(lambda: checkpoint._digests(folder, names, alg)) for _ in range(2)) / GB
+            digests = functools.partial(checkpoint._digests, folder, names, alg)
+            rates[alg] = size / min(timed(digests) for _ in range(2)) / GB
 
     without, with_ = statistics.median(times[False]), statistics.median(times[True])
     threads = min(checkpoint.HASH_THREADS, len(names))

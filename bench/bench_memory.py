@@ -207,9 +207,9 @@ def main() -> None:
         resident, info = grpo_step(model_dir, args, device, offload=False)
         offloaded, info = grpo_step(model_dir, args, device, offload=True)
         sft = sft_step(model_dir, info["mbs"], device)
-    print(f"device {device.type}, 1 torch thread; Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-          f"{args.prompts} prompts x {args.n}, {info['tokens']} completion tokens in {info['micro_batches']} "
-          f"micro-batches of <= {args.micro_tokens} tokens")
+    print(f"device {device.type}, 1 torch thread; Qwen2 hidden {args.hidden}, {args.layers} layers, "
+          f"vocab {args.vocab}; {args.prompts} prompts x {args.n}, {info['tokens']} completion tokens in "
+          f"{info['micro_batches']} micro-batches of <= {args.micro_tokens} tokens")
     print(f"{'phase':10} {'(a) resident MB':>16} {'(b) offload MB':>15} {'(c) SFT MB':>11}")
     for phase in ("generate", "logprobs", "update", "sync"):
         s = f"{sft['update'] / MB:11.1f}" if phase == "update" else f"{'':11}"

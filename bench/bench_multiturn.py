@@ -98,7 +98,8 @@ def main() -> None:
                 synchronous = time.perf_counter() - t0
             t0 = time.perf_counter()
             single = [c for i, p in enumerate(prompts) for k in range(args.n)
-                      for c in converse(engine, tok, [p], replace(sampling, n=1, seed=i * args.n + k), make_env, limits)]
+                      for c in converse(engine, tok, [p], replace(sampling, n=1, seed=i * args.n + k), make_env,
+                                        limits)]
             t_single = time.perf_counter() - t0
             engine.close()
             tokens = sum(c.sampled_tokens for c in batched)

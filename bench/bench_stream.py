@@ -126,8 +126,8 @@ def main() -> None:
             rows[mode] = dict(summarize(hist, args.warmup), **{"wall s": time.perf_counter() - t0})
     print(f"\nsplit placement, 1 trainer + 1 sampler (1 CPU, 1 torch thread each), Qwen2 {params / 1e6:.1f} M "
           f"parameters fp32, {PROMPTS} prompts x {GROUP} per step, completions {SHORT} or {8 * SHORT} tokens "
-          f"({LONG_EVERY:.0%} long), max_staleness 4, stream: {IN_FLIGHT} requests in flight, {args.steps} steps, timing steps > "
-          f"{args.warmup}")
+          f"({LONG_EVERY:.0%} long), max_staleness 4, stream: {IN_FLIGHT} requests in flight, {args.steps} steps, "
+          f"timing steps > {args.warmup}")
     print(f"fp32 matmul rate at 1 thread: {rate:.1f} GFLOP/s; {os.cpu_count()} cores; load "
           f"{os.getloadavg()[0]:.2f} (1 min) at the end")
     cols = list(next(iter(rows.values())))

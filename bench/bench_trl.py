@@ -1,6 +1,8 @@
 """Side-by-side GRPO step time of TRL's GRPOTrainer and tandem on identical workloads, against the FLOP floor.
 
-    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N] [--warmup W] [--rounds R] [--threads 1] [--engine hf|vllm|both] [--kv-cache-dtype float32|bfloat16|both] [--device cpu|cuda] [--dtype float32|bfloat16] [--trl-engine hf|vllm]
+    bash scripts/setup.sh bench && .venv/bin/python bench/bench_trl.py [--workload small|large|both] [--steps N]
+        [--warmup W] [--rounds R] [--threads 1] [--engine hf|vllm|both] [--device cpu|cuda]
+        [--dtype float32|bfloat16] [--trl-engine hf|vllm]
 
 Builds the models and tokenizer locally (no downloads) into a temporary folder, then for each workload runs TRL,
 then tandem, each in a fresh child process (same process tree, same torch thread count); `--rounds R` runs that
@@ -16,9 +18,7 @@ shape, and where each phase's time goes (matrix products; attention: the rollout
 training phases' causal attention; the rest). The products alone are timed right after each framework's turn, and
 that framework's phases are set against them: on a VM whose speed drifts from minute to minute, the reference is
 the machine of that minute. `--engine vllm` samples tandem's rollouts with vLLM in its process
-(TRL keeps its HF generate); `--engine both` runs tandem with each engine in the same invocation, side by side;
-`--kv-cache-dtype both` runs the hf engine with a float32 and with a bfloat16 KV cache (`rollout.kv_cache_dtype`),
-each against its own attention alone.
+(TRL keeps its HF generate); `--engine both` runs tandem with each engine in the same invocation, side by side.
 
 On a GPU (`--device cuda`, written for the day one is lent and not yet run on one: bench/gpu_check.py runs it as its
 `trl-vllm` check): `--dtype bfloat16` loads both frameworks' models in bf16 (TRL's `bf16` on too), `--trl-engine
@@ -173,9 +173,9 @@ def gemm_seconds(shapes: list[tuple[int, int]], rows: int, backward: bool, repea
     return min(once() for _ in range(repeats))
 
 
-def decode_attention_seconds(w: Workload, prompt_tokens: int, dtype: str = "float32") -> float:
+def decode_attention_seconds(w: Workload, prompt_tokens: int) -> float:
     """A rollout's attention alone: every decode step's one query per row and head against the row's keys so far
-    on per-row caches (as HF generate and tandem's engine for short prompts run it), each layer on its own cache
+    on per-row float32 caches (as HF generate and tandem's engine run it), each layer on its own cache
     (as a model holds them: one cache for every layer would be read from the processor's cache where a model's are
     read from memory), by PyTorch's SDPA. Not in the FLOP floor (a few % of the FLOPs), but a matrix-vector product
     per row and KV head, which runs far below the matmul rate: this is how much of a rollout that costs on this
@@ -183,7 +183,7 @@ def decode_attention_seconds(w: Workload, prompt_tokens: int, dtype: str = "floa
     import torch
     import torch.nn.functional as F
 
-    head_dim, rows, dt = w.hidden // w.heads, w.completions, getattr(torch, dtype)
+    head_dim, rows, dt = w.hidden // w.heads, w.completions, torch.float32
     shape = (rows, w.kv_heads, prompt_tokens + w.new_tokens, head_dim)
     caches = [(torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)) for _ in range(w.layers)]
     q = torch.randn(rows, w.heads, 1, head_dim, dtype=dt)
@@ -346,7 +346,7 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int, devic
 
 
 def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, engine: str = "hf",
-               kv_cache_dtype: str = "model", dtype: str = "float32") -> dict:
+               dtype: str = "float32") -> dict:
     from tandem.config import load_config
     from tandem.trainer import train
 
@@ -366,7 +366,7 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
         "data.eval_size=1", f"algo.kl_coef={KL}", "algo.kl_estimator=k3",
         "algo.loss_agg=token_mean", f"algo.clip_low={CLIP}", f"algo.clip_high={CLIP}", "algo.adv_eps=1e-4",
         f"optim.lr={LR}", "rewards=[{name: arithmetic_exact}]", "reward_pool.workers=0", f"rollout.engine={engine}",
-        f"rollout.kv_cache_dtype={kv_cache_dtype}", f"model.dtype={dtype}",
+        f"model.dtype={dtype}",
     ])  # the device: the GPU where one is visible (CUDA_VISIBLE_DEVICES="" keeps the CPU), as tandem's local backend
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -384,12 +384,11 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int, en
 
 
 def child(framework: str, w: Workload, model: Path, work: Path, steps: int, threads: int, engine: str = "hf",
-          kv_cache_dtype: str = "model", device: str = "cpu",
-          dtype: str = "float32", round_: int = 0) -> dict:
+          device: str = "cpu", dtype: str = "float32", round_: int = 0) -> dict:
     """Run one framework in a fresh Python process (its own peak RSS, no state shared with the other). `engine`:
     the framework's rollout engine (hf: TRL's HF generate, tandem's embedded engine; or vllm); `round_`: which of
     the bench's rounds (each its own output folder)."""
-    result = work / (f"{framework}-{engine}-{kv_cache_dtype}-{w.name}-{w.prompts}x{w.generations}"
+    result = work / (f"{framework}-{engine}-{w.name}-{w.prompts}x{w.generations}"
                      f"x{w.new_tokens}-c{w.context}-r{round_}.json")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
@@ -397,7 +396,7 @@ def child(framework: str, w: Workload, model: Path, work: Path, steps: int, thre
         env["CUDA_VISIBLE_DEVICES"] = ""  # both frameworks on the CPU, on a GPU machine too
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", framework,
            "--spec", w.to_json(), "--model", str(model), "--out", str(result), "--steps", str(steps),
-           "--threads", str(threads), "--engine", engine, "--kv-cache-dtype", kv_cache_dtype,
+           "--threads", str(threads), "--engine", engine,
            "--device", device, "--dtype", dtype]
     proc = subprocess.run(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
@@ -432,12 +431,10 @@ def main() -> None:
     ap.add_argument("--trl-engine", choices=["hf", "vllm"], default="hf",
                     help="TRL's rollouts: its HF generate, or vLLM in its process (use_vllm, colocate mode: GPU)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="where both frameworks run; cuda: the first GPU (not yet run on one), CPU-only tables left out")
+                    help="where both frameworks run; cuda: the first GPU (not yet run on one), "
+                    "CPU-only tables left out")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="both frameworks' model dtype (bfloat16: TRL's bf16 on, tandem's model.dtype)")
-    ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "both", "model"], default="float32",
-                    help="tandem's hf engine's KV cache (rollout.kv_cache_dtype); both: the hf engine twice, each "
-                         "cache side by side. Default float32, the reference the x GEMMs targets are stated for")
     ap.add_argument("--child", choices=["trl", "tandem"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -452,8 +449,7 @@ def main() -> None:
         if args.child == "trl":
             res = run_trl(w, Path(args.model), out, args.steps, args.threads, args.device, args.dtype, args.engine)
         else:
-            res = run_tandem(w, Path(args.model), out, args.steps, args.threads, args.engine, args.kv_cache_dtype,
-                             args.dtype)
+            res = run_tandem(w, Path(args.model), out, args.steps, args.threads, args.engine, args.dtype)
         Path(args.out).write_text(json.dumps(res))
         return
 
@@ -461,26 +457,18 @@ def main() -> None:
 
     names = ["small", "large"] if args.workload == "both" else [args.workload]
     engines = ["hf", "vllm"] if args.engine == "both" else [args.engine]
-    caches = ["float32", "bfloat16"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
-    # vLLM: its own cache dtype (the model's)
-    variants = [(e, kv) for e in engines for kv in (caches if e == "hf" else ["model"])]
-    # (label, framework, tandem's engine, its KV cache dtype): TRL once, tandem per variant
-    runs = [("trl", "trl", args.trl_engine, "model")] if "trl" in args.frameworks else []
+    # (label, framework, tandem's engine): TRL once, tandem per engine
+    runs = [("trl", "trl", args.trl_engine)] if "trl" in args.frameworks else []
     if "tandem" in args.frameworks:
-        runs += [("tandem" if len(variants) == 1 else f"tandem-{e}" + ("-bf16kv" if kv == "bfloat16" else ""),
-                  "tandem", e, kv) for e, kv in variants]
+        runs += [("tandem" if len(engines) == 1 else f"tandem-{e}", "tandem", e) for e in engines]
     labels = [label for label, *_ in runs]
-    from tandem.rollout.llama_decode import native_bf16
 
     print(f"torch {torch.__version__}, threads={args.threads}, cores={os.cpu_count()}, tandem's engine: {args.engine}, "
-          f"kv cache: {args.kv_cache_dtype}, processor bf16 arithmetic: {native_bf16()}, "
           f"load average at start={os.getloadavg()}")
     on_cpu = args.device == "cpu"  # the machine-limit tables (products and attention alone) are the CPU's
     rate = matmul_gflops(args.threads, args.device, args.dtype)
     print(f"{args.dtype} matmul rate on {args.device}" + (f" at {args.threads} thread(s)" if on_cpu else "")
           + f": {rate:.1f} GFLOP/s; TRL's rollouts: {args.trl_engine}")
-    # each run's attention alone is timed with its cache dtype
-    kind = {label: "bfloat16" if kv == "bfloat16" else "float32" for label, _, _, kv in runs}
     table = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         work = Path(tmp)
@@ -494,10 +482,10 @@ def main() -> None:
             raw: dict[str, list[dict]] = {label: [] for label in labels}
             references: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
             for round_ in range(args.rounds):  # the frameworks in turn, so that each sees the machine's same drift
-                for label, fw, engine, kv in runs:
+                for label, fw, engine in runs:
                     start = time.perf_counter()
                     raw[label].append(child(fw, w, work / f"model-{name}", work, args.warmup + steps, args.threads,
-                                            engine, kv, args.device, args.dtype, round_))
+                                            engine, args.device, args.dtype, round_))
                     times = raw[label][-1]["times"][args.warmup:]
                     print(f"  {name:5s} {label:6s} round {round_ + 1}/{args.rounds} done in "
                           f"{time.perf_counter() - start:.0f} s, steps: " + ", ".join(f"{t:.3f}" for t in times)
@@ -515,8 +503,8 @@ def main() -> None:
                 continue
             gemms = {label: {phase: statistics.median(r[phase] for r in refs) for phase in refs[0]}
                      for label, refs in references.items()}
-            alone = {k: decode_attention_seconds(w, plen, k) for k in set(kind.values())}
-            attention = {label: alone[k] for label, k in kind.items()}
+            alone = decode_attention_seconds(w, plen)
+            attention = {label: alone for label in labels}
             table.append((w, params, flops, steps, res, phases, gemms, attention,
                           training_attention_seconds(w, plen)))
 
@@ -539,7 +527,7 @@ def main() -> None:
     for w, _, _, _, res, *_ in table:
         for fw, r in res.items():
             print(f"  {w.name:5s} {fw:6s} " + "  ".join(f"{k}={v:.3f}" for k, v in r["phases"].items()))
-        for label, fw, engine, *_ in runs:
+        for label, fw, engine in runs:
             if fw == "tandem":
                 r = res[label]
                 print(f"  {w.name:5s} {label} weight sync ({engine} engine, one process): "
@@ -564,15 +552,15 @@ def main() -> None:
             print(line)
     for w, *_, attention, _ in table:
         print(f"{w.name} rollout: its attention alone (one query per row, all layers and steps) takes, on top of "
-              "its matrix products: " + "; ".join(f"{label} {a:.3f} s ({kind[label]} cache)"
-                                                  for label, a in attention.items()))
+              "its matrix products: " + "; ".join(f"{label} {a:.3f} s" for label, a in attention.items()))
     for w, *_, trained in table:
         print(f"{w.name} training: its attention alone (causal SDPA, every layer and micro-batch) takes "
               + ", ".join(f"{phase} {a:.3f} s" for phase, a in trained.items()))
     print("\nwhere each phase's time goes: its matrix products alone, its attention alone (the rollout's decode "
           "attention, the training phases' causal attention: all measured above), and the rest (overhead: dispatch, "
           "Python, sampling, copies, elementwise ops), as shares of the phase")
-    head = f"{'workload':9s} {'phase':9s} " + " ".join(f"{fw + ' GEMM':>13s} {'attn':>5s} {'rest':>5s}" for fw in labels)
+    head = f"{'workload':9s} {'phase':9s} " + " ".join(
+        f"{fw + ' GEMM':>13s} {'attn':>5s} {'rest':>5s}" for fw in labels)
     print(head)
     print("-" * len(head))
     for w, _, _, _, res, phases, gemms, attention, trained in table:

@@ -171,7 +171,8 @@ def _run(model: Path, out: Path, *extra: str, steps: int = 3) -> list[dict]:
 def _logprob_gap(rows: list[dict], bound: float = 1e-5) -> str:
     worst = max(r["logprob_diff"] for r in rows)
     assert worst <= bound, [r["logprob_diff"] for r in rows]
-    return f"logprob_diff mean per step <= {worst:.2g} (bound {bound:g}), max token {max(r['logprob_diff_max'] for r in rows):.2g}"
+    top = max(r["logprob_diff_max"] for r in rows)
+    return f"logprob_diff mean per step <= {worst:.2g} (bound {bound:g}), max token {top:.2g}"
 
 
 @check("train")
@@ -219,7 +220,8 @@ def check_vllm_sleep(work: Path) -> str:
     engine.close()
     assert DRY or freed > 200 << 20, f"sleep freed only {freed / 2**20:.0f} MiB"
     assert first == again, (first, again)
-    return f"sleep freed {'(dry run: not measured)' if freed is None else f'{freed / 2**20:.0f} MiB'}; same greedy tokens after wake + weight sync"
+    shown = "(dry run: not measured)" if freed is None else f"{freed / 2**20:.0f} MiB"
+    return f"sleep freed {shown}; same greedy tokens after wake + weight sync"
 
 
 @check("vllm-train")
@@ -332,7 +334,8 @@ def run_parent(names: list[str], timeout: float) -> int:
             results.append((name, "SKIP", f"needs {need} GPUs, {visible} visible"))
             continue
         argv = [sys.executable, __file__, "--check", name] + (["--dry-run"] if DRY else [])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "core"), os.environ.get("PYTHONPATH", "")]))
+        path = os.pathsep.join([str(ROOT / "tests" / "core"), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=path)
         try:
             limit = max(timeout, LONGER.get(name, 0.0) if not DRY else 0.0)  # two vLLM engines compile on a GPU
             done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, env=env, cwd=ROOT)

@@ -100,7 +100,7 @@ def main() -> None:
         print(f"  step {r['step']}: sync/bytes {r['sync/bytes']}, logprob_diff {r['logprob_diff']:.2g}, "
               f"logprob_diff_max {r['logprob_diff_max']:.2g}")
     print("2 gloo processes against one process, 3 updates:")
-    for name, (ep, lora) in CASES.items():
+    for name, (_ep, lora) in CASES.items():
         one = _policy(str(model), lora=lora)
         losses, adapter = _train(one, None), one.full_adapter()
         got_losses, got_adapter = sharded[name]

@@ -1,4 +1,5 @@
-"""Writes the documentation's generated blocks from the code: the config, CLI and architecture references, the README's zoo.
+"""Writes the documentation's generated blocks from the code: the config, CLI, architecture and metrics references, the
+README's zoo.
 
     .venv/bin/python scripts/gen_docs.py
 
@@ -20,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 from tandem.architectures import STREAMED, SUPPORT, support_table  # noqa: E402
 from tandem.cli import build_parser  # noqa: E402
 from tandem.config import config_reference  # noqa: E402
+from tandem.run.metric_names import GROUPS, PLACEHOLDERS  # noqa: E402
 
 COMMAND = ".venv/bin/python scripts/gen_docs.py"
 
@@ -99,10 +101,23 @@ def architectures_block() -> str:
     return "\n".join(out)
 
 
+def metrics_block() -> str:
+    """tandem.run.metric_names: the placeholders, then each group's metrics with their unit, writers and meaning."""
+    out = ["| placeholder | stands for |", "|---|---|"]
+    out += [f"| `<{name}>` | {markdown_text(meaning)} |" for name, (_, meaning) in PLACEHOLDERS.items()]
+    for title, (about, metrics) in GROUPS.items():
+        out += ["", f"## {title}", "", markdown_text(about), "", "| metric | unit | written by | meaning |",
+                "|---|---|---|---|"]
+        out += [f"| `{m.name}` | {markdown_text(m.unit)} | {markdown_text(m.written)} | {markdown_text(m.meaning)} |"
+                for m in metrics]
+    return "\n".join(out)
+
+
 BLOCKS = (
     Block("docs/reference/config.md", "config-reference", config_block),
     Block("docs/reference/cli.md", "cli-reference", cli_block),
     Block("docs/reference/architectures.md", "architectures", architectures_block),
+    Block("docs/reference/metrics.md", "metrics-reference", metrics_block),
     Block("README.md", "model-zoo", support_table),
 )
 

@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.config import ConfigError
+from tandem.config import ConfigError, LoraConfig
 from tandem.modeling import read_json
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,14 @@ def lora_parameter_targets(kind: str) -> list[str]:
     return list(known.lora_parameters) if known is not None else []
 
 
+def lora_targets_for(lora: LoraConfig, kind: str) -> tuple[list[str] | str, list[str]]:
+    """(modules, parameters) LoRA adapts in a `model_type`: what the config names, or with both lists empty the
+    architecture's (the trainer wraps them, a sampler learns from them whether the experts are adapted)."""
+    if lora.target_modules or lora.target_parameters:
+        return list(lora.target_modules), list(lora.target_parameters)
+    return lora_targets(kind), lora_parameter_targets(kind)
+
+
 def has_experts(path: str) -> bool:
     """Whether the model in `path` is a mixture of experts tandem knows (`Support.experts`)."""
     known = SUPPORT.get(model_type(path))
@@ -108,7 +116,8 @@ def check_supported(cfg) -> None:
         _check_expert_parallel(cfg.model.path, pl.expert_parallel, kind, known)
 
 
-STREAMED = ("qwen2", "llama")  # the architectures whose layers tandem.rollout.llama_decode reproduces
+# The architectures the hf engine's streaming schedule is tested with (tests/rollout/test_stream.py).
+STREAMED = ("qwen2", "llama")
 
 
 # Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints

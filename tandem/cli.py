@@ -1,4 +1,4 @@
-"""`tandem train | demo | eval | export | config`: the command line, a thin layer over config loading and the trainer."""
+"""`tandem train | demo | eval | export | config`: the CLI, a thin layer over config loading and the trainer."""
 from __future__ import annotations
 
 import argparse
@@ -115,7 +115,7 @@ def _refuse_damaged(path: str, command: str, verb: str) -> None:
 
 def _export(args) -> int:
     from tandem.run.directory import refuse_export_into
-    from tandem.train.lora import export_merged
+    from tandem.run.export import export_merged
 
     _refuse_damaged(args.checkpoint, "export", "export")
     refuse_export_into(Path(args.checkpoint), Path(args.out))

@@ -395,7 +395,7 @@ def tool_warm_start(model, tokenizer, spec: ToolDemoSpec) -> tuple[dict, int]:
 
 
 def tool_demo_model(spec: ToolDemoSpec = ToolDemoSpec(), root: Path | None = None) -> Path:
-    """Path of the warm-started tool demo model folder, built on first use (about 5 minutes on one thread) and cached."""
+    """Path of the warm-started tool demo model folder, built on first use (~5 minutes on one thread) and cached."""
     def build():
         tokenizer = build_tokenizer(multiply.corpus(), spec.vocab_size)
         add_tool_tokens(tokenizer)
@@ -406,5 +406,6 @@ def tool_demo_model(spec: ToolDemoSpec = ToolDemoSpec(), root: Path | None = Non
 
     return cached_model("tooldemo", spec, build, root, lambda f: (
         f"{f['warm_start_steps']} steps: greedy accuracy {100 * f['greedy']['accuracy']:.1f}%, tool calls "
-        f"{100 * f['greedy']['tool_rate']:.1f}%; at temperature 1 accuracy {100 * f['temperature_1']['accuracy']:.1f}%, "
+        f"{100 * f['greedy']['tool_rate']:.1f}%; "
+        f"at temperature 1 accuracy {100 * f['temperature_1']['accuracy']:.1f}%, "
         f"tool calls {100 * f['temperature_1']['tool_rate']:.1f}%"))

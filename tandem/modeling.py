@@ -123,7 +123,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     try:
         # transformers 5 may pick a tokenizer class from the *model* type and re-split text; a folder that says
         # PreTrainedTokenizerFast (as tandem's own do) is loaded as exactly that.
-        if declared in ("PreTrainedTokenizerFast", "TokenizersBackend") or (declared is None and (p / "tokenizer.json").is_file()):
+        if declared in ("PreTrainedTokenizerFast", "TokenizersBackend") or (
+                declared is None and (p / "tokenizer.json").is_file()):
             tok = PreTrainedTokenizerFast.from_pretrained(str(p))
         else:
             tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)

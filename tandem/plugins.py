@@ -69,7 +69,7 @@ def import_plugin(kind: str, name: str, what: str = "function") -> Callable:
         fn = getattr(importlib.import_module(module), attr)
     except ImportError as exc:
         raise ValueError(f"{kind} plugin {name!r}: cannot import {module!r} ({type(exc).__name__}: {exc}); a "
-                         f"plugin module must be in the current directory ({os.getcwd()}) or on PYTHONPATH")
+                         f"plugin module must be in the current directory ({os.getcwd()}) or on PYTHONPATH") from exc
     except AttributeError:
         raise ValueError(f"{kind} plugin {name!r}: module {module!r} has no {what} {attr!r}") from None
     if not callable(fn):

@@ -24,7 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def save_tiny_model(folder: Path, hidden: int = 32, layers: int = 1, seed: int = 0, chat_template: str | None = None) -> Path:
+def save_tiny_model(folder: Path, hidden: int = 32, layers: int = 1, seed: int = 0,
+                    chat_template: str | None = None) -> Path:
     """A randomly initialised tiny Qwen2 with the demo's tokenizer, saved as a Hugging Face folder."""
     from tandem.data import arithmetic
     from tandem.demo import DemoModelSpec, build_model, build_tokenizer
@@ -32,7 +33,8 @@ def save_tiny_model(folder: Path, hidden: int = 32, layers: int = 1, seed: int =
     tok = build_tokenizer(arithmetic.corpus(), 300)
     if chat_template:
         tok.chat_template = chat_template
-    spec = DemoModelSpec(hidden_size=hidden, layers=layers, heads=4, kv_heads=2, intermediate_size=2 * hidden, seed=seed)
+    spec = DemoModelSpec(hidden_size=hidden, layers=layers, heads=4, kv_heads=2, intermediate_size=2 * hidden,
+                         seed=seed)
     model = build_model(spec, tok)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(folder, safe_serialization=True)

@@ -1,4 +1,4 @@
-"""Reward functions by name, and scoring a batch with a weighted sum where a failing function scores 0 and is counted."""
+"""Reward functions by name; scoring a batch by a weighted sum where a failing function scores 0 and is counted."""
 from __future__ import annotations
 
 import logging
@@ -168,8 +168,6 @@ def _finite(value: Any) -> float:
 
 def default_workers() -> int:
     """Pool size when not configured: one per core, at most 4 (rewards are a small slice of a step)."""
-    import os
-
     return max(1, min(4, os.cpu_count() or 1))
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import Iterable
 
@@ -11,11 +10,9 @@ import torch
 from tandem import moe
 from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
-from tandem.rollout import llama_decode
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
-
-log = logging.getLogger(__name__)
+from tandem.rollout.shared_prompt import SharedPromptDecoder, shares
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -76,17 +73,15 @@ def _draw(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None, aliv
 class HFEngine:
     """Samples with the model's own forward and a KV cache, one decode step for the whole batch at a time.
 
-    The prefill runs each distinct prompt once, however many completions it gets (GRPO's group: `Sampling.n`).
-    Rows are left-padded so every row's next token sits in the last column; a row that has finished keeps
-    feeding padding (its outputs are discarded) and the loop ends when every row has finished. For Llama-family
-    models (Qwen2, Llama) the decode steps after the prefill run through `llama_decode.StaticDecoder`: the same
-    weights and math with a preallocated cache, each prompt's keys and values held once for its group, and no
-    per-step module overhead (`fast_decode = False` turns it off: the HF forward on a DynamicCache copied out to
-    every row).
+    The prefill runs each distinct prompt once, however many completions it gets (GRPO's group: `Sampling.n`), and
+    its keys and values are held once for the group's rows (`tandem.rollout.shared_prompt`: Qwen2 and Llama on
+    CPU), or copied out to each row for the HF forward. Rows are left-padded so every row's next token sits in the last
+    column; a row that has finished keeps feeding padding (its outputs are discarded) and the loop ends when every
+    row has finished.
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False,
-                 model=None, tokenizer=None, device: str | None = None, kv_cache_dtype: str = "model"):
+                 model=None, tokenizer=None, device: str | None = None):
         self.tokenizer = tokenizer or load_tokenizer(model_path, trust_remote_code)
         self.model = model if model is not None else load_causal_lm(model_path, dtype, trust_remote_code)
         if device is not None:
@@ -98,14 +93,6 @@ class HFEngine:
         self.seed = seed
         # the routes of each sampled token, for the trainer's router replay and route mismatch (tandem.moe)
         self.routing = moe.Routing(self.model) if moe.routers(self.model) else None
-        self.fast_decode = True  # lean decode steps for Llama-family models (see llama_decode); False = HF forward
-        # the lean decoder's KV cache dtype (rollout.kv_cache_dtype); the HF forward keeps the model's
-        self.kv_dtype = llama_decode.kv_cache_dtype(kv_cache_dtype, next(self.model.parameters()).dtype)
-        if kv_cache_dtype != "model" and not llama_decode.supports(self.model):
-            log.warning("rollout.kv_cache_dtype=%s applies to the lean decoder (Llama-family models on CPU); this "
-                        "model decodes with the HF forward, its cache in the model's dtype", kv_cache_dtype)
-        if llama_decode.decodes(self.model):  # q/k/v and gate/up as views of one tensor each: read with no copy
-            llama_decode.fuse_parameters(self.model)
         self._params = dict(self.model.named_parameters())
         for p in self._params.values():
             residency.ensure_resizable(p)  # sleep frees storages in place; a memory-mapped one cannot be
@@ -132,7 +119,7 @@ class HFEngine:
         n, dev = sampling.n, self.device
         seeds = sampling.seeds or (self.seed if sampling.seed is None else sampling.seed,)
         with self._routes_record() as record:  # the experts each position went to (MoE models only)
-            logits, next_pos, step = self._prefill(prompts, n, sampling.max_new_tokens)
+            logits, next_pos, step = self._prefill(prompts, n, max(map(sampling.limit, range(len(prompts)))))
             rows = [p for p in prompts for _ in range(n)]
             B = len(rows)
             stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))
@@ -170,26 +157,23 @@ class HFEngine:
         return self._completions(rows, n, tokens, logps, lengths.tolist(), (~alive & ~capped).tolist(), texts,
                                  routes)
 
-    def _prefill(self, prompts: list[list[int]], n: int, max_new_tokens: int):
+    def _prefill(self, prompts: list[list[int]], n: int, most: int):
         """Each prompt once (a group's n rows share it); the first logits of every row, the rows' next positions,
-        and the decode step `(tokens, positions) -> logits`: the lean static-cache path where the architecture
-        allows it (its own prefill; it keeps each prompt's keys and values once), else the HF forward on a cache
-        copied out to every row."""
+        and the decode step `(tokens, positions) -> logits` for up to `most` tokens a row: the model's forward on the
+        prefill's cache copied out to every row, or, where `shared_prompt.shares`, the prompt held once for its
+        group."""
         from transformers import DynamicCache
 
         ids, attn = self._left_padded(prompts)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         next_pos = pos[:, -1].repeat_interleave(n) + 1
-        if self.fast_decode and llama_decode.supports(self.model) and max_new_tokens > 1:
-            fused = llama_decode.fused_layers(self.model)
-            logits, kv = llama_decode.prefill(self.model, fused, ids, attn, pos)
-            decoder = llama_decode.StaticDecoder(self.model, kv, n, max_new_tokens, attn, self.kv_dtype, fused)
-            return logits.repeat_interleave(n, dim=0), next_pos, decoder.step
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
         del out
+        if shares(self.model, n):
+            return logits, next_pos, SharedPromptDecoder(self.model, cache, n, most, attn).step
         cache.batch_repeat_interleave(n)
         seen = [attn.repeat_interleave(n, dim=0)]  # the rows' attention mask so far (a step adds a column)
 

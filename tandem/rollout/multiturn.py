@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: the engine and an environment take turns, token ids in and out, the environment's tokens masked."""
+"""Multi-turn rollouts: engine and environment take turns, token ids in and out, the environment's tokens masked."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace

@@ -8,7 +8,7 @@ from typing import Hashable
 
 import torch
 
-from tandem.rollout import llama_decode
+from tandem.architectures import STREAMED
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine, _draw, uniforms
 
@@ -46,8 +46,127 @@ class Finished:
 
 
 def streams(model) -> bool:
-    """Whether the hf engine streams this model: the Llama-family layers `llama_decode` reproduces (Qwen2, Llama)."""
-    return llama_decode.decodes(model)
+    """Whether the hf engine streams this model: an architecture of `STREAMED` (those the streaming schedule is tested
+    with) whose layers all attend to every position (a sliding window's cache keeps only its last positions, which a
+    slot's left-padded cache cannot follow)."""
+    cfg = model.config
+    return cfg.model_type in STREAMED and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or []))
+
+
+FILL_PADDING = 1.25  # SlotDecoder.fill: the most padded positions a prefill batch may run per real one
+
+
+class SlotDecoder:
+    """Continuous batching on the model's own forward for the streaming schedule: up to `slots` rows in one KV cache,
+    each row's positions right-aligned (left padding, masked), so a row joins (its prefix prefilled, its keys and
+    values padded to the cache's width) or leaves (the last row takes its slot; columns no row uses any more are
+    cut) between any two steps while the others decode. The forward reads the model's weights as they are: after a
+    weight load the rows' cached keys and values are the old weights', and the caller prefills them again (`fill`)
+    if it wants them exact."""
+
+    def __init__(self, model, slots: int):
+        self.model, self.slots = model, slots
+        self.rows: list = []  # the key of the row in each slot
+        self.cache = None  # a DynamicCache of the rows' keys and values, [cached rows, kv heads, width, head dim]
+        self.mask: torch.Tensor | None = None  # [cached rows, width]: 1 at each row's own positions
+        self.cached: list[int] = []  # the cache row that holds each slot's row (rows leave before the cache compacts)
+
+    def fill(self, keys: list, prefixes: list[list[int]]) -> torch.Tensor:
+        """New rows `keys` with these prefixes (prompt and any tokens already sampled), prefilled; logits
+        [len(keys), V] of each one's next token. A key already held is prefilled again in its slot.
+
+        Rows of like length are prefilled together (sorted by length, a batch closed where padding would pass
+        FILL_PADDING of its real tokens): a long-tailed set of prefixes, as a weight load re-prefills, would
+        otherwise pad every row to the longest."""
+        self._compact()
+        where = []
+        for key in keys:
+            if key not in self.rows:
+                if len(self.rows) == self.slots:
+                    raise RuntimeError(f"no free slot of {self.slots} for another row")
+                self.rows.append(key)
+            where.append(self.rows.index(key))
+        lens = [len(x) for x in prefixes]
+        logits: list[torch.Tensor | None] = [None] * len(keys)
+        parts, batch = [], []
+        for i in sorted(range(len(keys)), key=lens.__getitem__) + [-1]:
+            if batch and (i < 0 or (len(batch) + 1) * lens[i] > FILL_PADDING * (sum(lens[j] for j in batch) + lens[i])):
+                rows, kv, mask = self._prefill([prefixes[j] for j in batch])
+                for j, row in zip(batch, rows):
+                    logits[j] = row
+                parts.append(([where[j] for j in batch], kv, mask))
+                batch = []
+            batch.append(i)
+        self._place(parts)
+        return torch.stack(logits)
+
+    def _prefill(self, prefixes: list[list[int]]) -> tuple[torch.Tensor, list, torch.Tensor]:
+        """These prefixes, left-padded to the longest, through the model: each one's next-token logits, each layer's
+        keys and values, and their attention mask."""
+        from transformers import DynamicCache
+
+        P, dev = max(len(x) for x in prefixes), next(self.model.parameters()).device
+        ids = torch.zeros((len(prefixes), P), dtype=torch.long)
+        mask = torch.zeros((len(prefixes), P), dtype=torch.long)
+        for i, x in enumerate(prefixes):
+            ids[i, P - len(x):], mask[i, P - len(x):] = torch.tensor(x), 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return logits, [(layer.keys, layer.values) for layer in cache.layers], mask
+
+    def _place(self, parts: list[tuple[list[int], list, torch.Tensor]]) -> None:
+        """The cache rebuilt with each part's rows (slots, each layer's keys and values, mask) in their slots, the
+        rows no part refills kept as they were; every row right-aligned to the widest."""
+        from transformers import DynamicCache
+
+        refilled = {slot for where, _, _ in parts for slot in where}
+        kept = [slot for slot in range(len(self.cached)) if slot not in refilled]
+        if kept:
+            parts = [(kept, [(layer.keys[kept], layer.values[kept]) for layer in self.cache.layers],
+                      self.mask[kept])] + parts
+        width, rows = max(mask.shape[1] for _, _, mask in parts), len(self.rows)
+        self.mask = parts[-1][2].new_zeros((rows, width))
+        kv = [(k.new_zeros((rows, k.shape[1], width, k.shape[3])), v.new_zeros((rows, v.shape[1], width, v.shape[3])))
+              for k, v in parts[-1][1]]
+        for where, part_kv, mask in parts:
+            at = torch.tensor(where, dtype=torch.long, device=mask.device)
+            self.mask[at, width - mask.shape[1]:] = mask
+            for (k, v), (k0, v0) in zip(kv, part_kv):
+                k[at, :, width - k0.shape[2]:] = k0
+                v[at, :, width - v0.shape[2]:] = v0
+        self.cache, self.cached = DynamicCache(kv, config=self.model.config), list(range(rows))
+
+    def remove(self, key) -> None:
+        """The row leaves; the last row moves into its slot (the cache follows at the next `step` or `fill`)."""
+        slot = self.rows.index(key)
+        self.rows[slot], self.cached[slot] = self.rows[-1], self.cached[-1]
+        self.rows.pop()
+        self.cached.pop()
+
+    def _compact(self) -> None:
+        """The cache down to the rows still held, in slot order, without the columns that are padding in all of
+        them."""
+        if self.cache is None or self.cached == list(range(self.mask.shape[0])):
+            return
+        if not self.rows:
+            self.cache, self.mask = None, None
+            return
+        at = torch.tensor(self.cached, dtype=torch.long, device=self.mask.device)
+        used = int(self.mask[at].any(0).nonzero()[0])  # the first column some row still uses
+        self.mask = self.mask[at, used:]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[at, :, used:], layer.values[at, :, used:]
+        self.cached = list(range(len(self.rows)))
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token to every row (in slot order, [len(rows)]); logits [len(rows), V] of each one's next."""
+        self._compact()
+        positions = self.mask.sum(-1, keepdim=True)  # each row's next position: the count of its own so far
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        return self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions,
+                          past_key_values=self.cache, use_cache=True).logits[:, -1]
 
 
 class HFStream:
@@ -59,13 +178,12 @@ class HFStream:
     agree with the sampler's), while the tokens before keep the version that sampled them. `admitting = False`
     holds new requests back (the sampler drains before a weight load that must not land mid-sequence)."""
 
-    def __init__(self, engine: HFEngine, sampling: Sampling, slots: int, capacity: int):
+    def __init__(self, engine: HFEngine, sampling: Sampling, slots: int):
         if not streams(engine.model):
-            raise ValueError(f"the hf engine streams Llama-family models only (Qwen2, Llama), not "
-                             f"{engine.model.config.model_type!r}; use placement.schedule: async")
+            raise ValueError(f"the hf engine streams {', '.join(STREAMED)} models with full attention in every layer, "
+                             f"not this {engine.model.config.model_type!r}; use placement.schedule: async")
         self.engine, self.sampling = engine, sampling
-        with torch.inference_mode():  # its caches are written only in inference mode (every method here)
-            self.decoder = llama_decode.SlotDecoder(engine.model, slots, capacity, engine.kv_dtype)
+        self.decoder = SlotDecoder(engine.model, slots)
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
         self.draws: dict[Hashable, list[float]] = {}  # each running request's uniforms, one per token (`_draw`)
@@ -95,7 +213,6 @@ class HFStream:
     @torch.inference_mode()
     def reload(self) -> None:
         """The engine's weights changed: decode with the new ones and prefill every running prefix again."""
-        self.decoder.refresh()
         rows = [self.running[k] for k in self.decoder.rows]
         if rows:
             self.logits = self.decoder.fill([r.key for r in rows], [r.prefix for r in rows])

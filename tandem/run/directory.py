@@ -15,10 +15,11 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
+from tandem.config.trackers import TRACKERS
 from tandem.run import checkpoint
 from tandem.run.evaluation import RESULTS_FILE
 from tandem.run.metrics import METRICS_FILE, resume_history
-from tandem.run.trackers import IDS_FILE, TRACKERS
+from tandem.run.trackers import IDS_FILE
 
 log = logging.getLogger("tandem.run.directory")
 

@@ -1,4 +1,4 @@
-"""Run metrics: one JSON line per step always, the trackers of run.report_to, PNG plots and a summary table at the end."""
+"""Run metrics: a JSON line per step always, the trackers of run.report_to, PNG plots and a summary table at the end."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,8 @@ from pathlib import Path
 log = logging.getLogger("tandem.run.metrics")
 
 METRICS_FILE = "metrics.jsonl"
+# Every name a row may hold, with its unit and meaning: tandem.run.metric_names (a metric added to a row goes there
+# too; tests/run/test_metric_names.py compares it with what the demos write).
 
 # Curves drawn at the end of a run, if they were logged.
 PLOTTED = ["reward/mean", "eval/accuracy", "train/accuracy", "loss", "kl", "entropy", "completion/length_mean",

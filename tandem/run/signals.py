@@ -46,7 +46,8 @@ class Stopped(BaseException):
             how = f"stopped by {self.name} after step {self.step}"
         if self.checkpoint is None:
             return f"{how}; no checkpoint; start again with: {start}"
-        where = f"checkpoint {self.checkpoint}" if self.saved else f"not saved; the last checkpoint is {self.checkpoint}"
+        where = (f"checkpoint {self.checkpoint}" if self.saved
+                 else f"not saved; the last checkpoint is {self.checkpoint}")
         return f"{how}; {where}; resume with: {resume}"
 
     def __str__(self) -> str:

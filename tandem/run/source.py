@@ -159,7 +159,7 @@ class RolloutSource:
         for name, n in res.error_counts("reward/errors").items():
             stats[name] += n
         totals, scores = list(res.total), dict(res.per_fn)
-        if self.cfg.env.name:  # an environment's own rewards (StepResult.reward, summed over the conversation) count too
+        if self.cfg.env.name:  # an environment's own rewards (StepResult.reward, summed per conversation) count too
             own = [float(c.meta.get("env_reward") or 0.0) for c in rollout.samples.completions]
             totals, scores["env"] = [a + b for a, b in zip(totals, own)], own
         return dataclasses.replace(rollout, rewards=torch.tensor(totals, dtype=torch.float32), scores=scores)

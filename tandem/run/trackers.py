@@ -15,37 +15,14 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlparse
+
+from tandem.config.trackers import sql_store
 
 log = logging.getLogger("tandem.run.trackers")
 
-# name -> (the module it needs, where it stores a run under run.output_dir when the environment names no server)
-TRACKERS: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow"),
-    "trackio": ("trackio", "trackio"),
-    "swanlab": ("swanlab", "swanlog"),
-}
-# What a tracker's store needs beyond its module: MLflow's local one is a SQLite database (what MLflow recommends
-# locally; its file store is in maintenance mode), which it reaches through SQLAlchemy and migrates with Alembic,
-# neither of which mlflow-skinny installs (nor does a database URI of one's own do without them).
-LOCAL_STORE_NEEDS: dict[str, tuple[str, ...]] = {"mlflow": ("sqlalchemy", "alembic")}
 IDS_FILE = "trackers.json"  # each tracker's run id, so that a resumed run continues the same tracker run
 FINAL = "final/"  # the final evaluation's figures, logged under this prefix at the last step
 POLL_S = 0.05  # how often a wait on a tracker's thread looks at the clock and at the run's stop signals
-
-
-def missing(names: list[str]) -> list[str]:
-    """Trackers among `names` whose library is not installed (or, for a local store, what that store needs)."""
-    return [n for n in names if any(importlib.util.find_spec(m) is None for m in _needs(n))]
-
-
-def _needs(name: str) -> tuple[str, ...]:
-    """The modules `name` needs here: its library's, and for MLflow on a SQL store (its local default, or a
-    database URI) SQLAlchemy's and Alembic's."""
-    sql = name == "mlflow" and _database(os.environ.get("MLFLOW_TRACKING_URI") or "sqlite://")
-    return (TRACKERS[name][0], *(LOCAL_STORE_NEEDS.get(name, ()) if sql else ()))
 
 
 def numeric(metrics: dict[str, Any]) -> dict[str, float]:
@@ -210,7 +187,7 @@ class MLflow(Tracker):
         return os.environ.get("MLFLOW_TRACKING_URI") or _sqlite_uri(run.output_dir / "mlflow" / "mlflow.db")
 
     def resumes(self, run: RunInfo) -> str | None:
-        if run.redone and not _database(self.where(run)):
+        if run.redone and not sql_store(self.where(run)):
             return ("MLflow has no call that removes a metric's values outside its SQL stores, and this resume redoes "
                     "steps it was given")
         return None
@@ -227,7 +204,7 @@ class MLflow(Tracker):
         if resume_id is not None:
             self.run_id = resume_id
             self.client.update_run(resume_id, status="RUNNING")
-            if run.resume_step is not None and _database(uri):
+            if run.resume_step is not None and sql_store(uri):
                 self._forget_after(run.resume_step)
             return resume_id
         project = os.environ.get("MLFLOW_EXPERIMENT_NAME") or run.project
@@ -286,14 +263,6 @@ class MLflow(Tracker):
 
 def _sqlite_uri(path: Path) -> str:
     return "sqlite:///" + str(path.resolve())
-
-
-SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQL stores (mlflow.store.db.db_types)
-
-
-def _database(uri: str) -> bool:
-    """Whether MLflow keeps `uri`'s runs in one of its SQL stores (`sqlite:///...`, `postgresql+psycopg2://...`)."""
-    return urlparse(uri).scheme.split("+")[0] in SQL_SCHEMES
 
 
 def mlflow_key(key: str) -> str:

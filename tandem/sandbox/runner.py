@@ -1,4 +1,4 @@
-"""Run untrusted (model-written) Python in a confined, resource-limited process; judge tests with a verdict it cannot forge.
+"""Run untrusted (model-written) Python confined and resource-limited; judge tests with a verdict it cannot forge.
 
 What confines the program, on Linux (`SandboxResult.isolation` says which held; `self_test()` checks it works):
 
@@ -152,7 +152,9 @@ def _path_entries(path: str, out: list[tuple[str, ...]]) -> None:
 
 def package_paths(packages: Sequence[str]) -> list[tuple[str, str, list[str]]]:
     """For each allowed top-level package or module: (its parent directory, its name, the paths to expose: the
-    package or module itself and a wheel's bundled `<name>.libs` beside it). Raises ValueError naming what is missing."""
+    package or module itself and a wheel's bundled `<name>.libs` beside it).
+
+    Raises ValueError naming what is missing."""
     import importlib.util
 
     out = []
@@ -446,7 +448,7 @@ _ISOLATION: dict[str, int] | None = None
 
 
 def isolation() -> dict[str, int]:
-    """Which confinements hold on this machine (`net`, `fs`, `uid`, `pid`: 1 or 0), probed once with an empty program."""
+    """Which confinements hold on this machine (`net`, `fs`, `uid`, `pid`: 1 or 0), probed once by an empty program."""
     global _ISOLATION
     if _ISOLATION is None:
         _ISOLATION = dict(run_python("pass").isolation)
@@ -498,7 +500,8 @@ def self_test(packages: tuple[str, ...] = (), python: str | None = None) -> dict
             raise SandboxBroken(
                 f"the code sandbox fails its self-test on this machine: expected {what}, got exit code "
                 f"{result.returncode}, verdict {result.passed} {result.reason!r}, stdout {result.stdout[-200:]!r}, "
-                f"stderr {result.stderr[-600:]!r} (isolation {result.isolation}; interpreter {python or _interpreter()})."
+                f"stderr {result.stderr[-600:]!r} (isolation {result.isolation}; "
+                f"interpreter {python or _interpreter()})."
                 " The interpreter and its standard library must be importable by the sandbox: see "
                 "tandem/sandbox/runner.py")
     return dict(checks[0][1].isolation)

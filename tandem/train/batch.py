@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from tandem import moe
-from tandem.rollout.base import Completion, Samples
+from tandem.samples import Completion, Samples
 
 
 @dataclass

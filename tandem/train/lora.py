@@ -6,31 +6,23 @@ from typing import Iterator
 
 import torch
 
+from tandem.architectures import lora_targets_for
 from tandem.config import ConfigError, LoraConfig
-from tandem.rollout.adapter import A_SUFFIX, B_SUFFIX, merge, merge_experts
+from tandem.lora_merge import A_SUFFIX, B_SUFFIX, merge, merge_experts
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
-# In memory and on the wire an adapter tensor is named after the weight it adapts (rollout.adapter's A_SUFFIX,
+# In memory and on the wire an adapter tensor is named after the weight it adapts (tandem.lora_merge's A_SUFFIX,
 # B_SUFFIX): a linear layer's module (PEFT's file names without its `base_model.model.` prefix), or a stacked expert
 # parameter itself; the adapter file keeps PEFT's names, which for nested parameter wrappers differ (_file_names).
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
-def targets(cfg: LoraConfig, model_type: str) -> tuple[list[str] | str, list[str]]:
-    """(modules, parameters) LoRA adapts: what the config names, or with both lists empty the architecture's."""
-    from tandem.architectures import lora_parameter_targets, lora_targets
-
-    if cfg.target_modules or cfg.target_parameters:
-        return list(cfg.target_modules), list(cfg.target_parameters)
-    return lora_targets(model_type), lora_parameter_targets(model_type)
-
-
 def peft_config(cfg: LoraConfig, model_path: str, model_type: str):
     """PEFT's LoraConfig for `cfg`: the architecture's default targets when none are named."""
     from peft import LoraConfig as PeftLoraConfig
 
-    modules, parameters = targets(cfg, model_type)
+    modules, parameters = lora_targets_for(cfg, model_type)
     return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
                           target_modules=modules, target_parameters=parameters or None, task_type="CAUSAL_LM",
                           base_model_name_or_path=str(Path(model_path).expanduser().resolve()))  # export finds it
@@ -64,7 +56,7 @@ def check(cfg: LoraConfig, model_path: str, trust_remote_code: bool = False) -> 
     if missing:
         raise ConfigError(f"lora.target_modules: {missing} match no module of this {config.model_type} model; its "
                           f"linear layers are {linears} (or leave the list empty for the architecture's default)")
-    _, parameters = targets(cfg, config.model_type)
+    _, parameters = lora_targets_for(cfg, config.model_type)
     stacked = sorted({n.split(".", 3)[-1] for n, p in skeleton.named_parameters() if p.dim() == 3})
     missing = [t for t in parameters if not any(n == t or n.endswith("." + t) for n, _ in skeleton.named_parameters())]
     if missing:
@@ -202,51 +194,3 @@ def read_adapter(folder: str, model) -> dict[str, torch.Tensor]:
                          "true), so it cannot resume one")
     wire = {f: n for n, f in _file_names(model).items()}
     return {wire.get(n, n): t for n, t in load_file(str(path)).items()}
-
-
-def export_merged(checkpoint: str, out: str, base: str | None = None, dtype: str = "float32",
-                  force: bool = False) -> Path:
-    """A LoRA checkpoint as a plain Hugging Face folder: its adapter merged into the base model (the folder its
-    adapter_config.json names, or `base`), saved with the checkpoint's tokenizer; loadable by transformers and vLLM.
-    An existing `out` is refused unless `force` (the CLI refuses, before this, an `out` that holds the checkpoint or
-    a run: tandem.run.directory.refuse_export_into); the folder is written beside it and renamed into place, so `out`
-    is never half written (a kill leaves the old one, or none, and a hidden `.NAME.tmp-PID` folder)."""
-    import json
-    import os
-    import shutil
-
-    from peft import PeftModel
-
-    from tandem.modeling import check_model_folder, load_causal_lm, load_tokenizer
-
-    folder, target = Path(checkpoint), Path(out)
-    if not (folder / ADAPTER_CONFIG).is_file():
-        raise ValueError(f"export: {checkpoint} has no {ADAPTER_CONFIG}: it is not a LoRA checkpoint (a full "
-                         "fine-tuning checkpoint is a Hugging Face model folder already: load it as is)")
-    if target.exists() and not (force and target.is_dir()):
-        what = "a folder" if target.is_dir() else "a file, not a folder"
-        raise ValueError(f"export: {out} exists already ({what}); choose another output folder"
-                         + (", or pass --force to replace it" if target.is_dir() else ""))
-    base = base or json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
-    check_model_folder(base)  # names the problem, e.g. a base moved since training: pass --base
-    model = PeftModel.from_pretrained(load_causal_lm(base, dtype), str(folder)).merge_and_unload()
-    tmp, old = (target.with_name(f".{target.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        load_tokenizer(folder).save_pretrained(tmp)
-        if (folder / "trainer_state.json").is_file():  # a tandem checkpoint: its card, for the merged model
-            from tandem.run.card import CARD_FILE, model_card
-
-            (tmp / CARD_FILE).write_text(model_card(json.loads((folder / "trainer_state.json").read_text()), "merged"))
-        if target.exists():  # --force: the old folder goes only once the new one is whole
-            os.rename(target, old)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if old.exists():
-                os.rename(old, target)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)
-    return target

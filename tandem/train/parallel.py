@@ -125,7 +125,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
     if layers is None:
-        raise ValueError(f"parallelize: {type(model).__name__} has no .model.layers; only decoder-only LMs are supported")
+        raise ValueError(f"parallelize: {type(model).__name__} has no .model.layers; "
+                         "only decoder-only LMs are supported")
     return list(layers)
 
 

@@ -1,4 +1,4 @@
-"""A step's training statistics: per-token means and maxima, accumulated over passes and reduced over data-parallel ranks."""
+"""A step's training stats: per-token means and maxima, accumulated over passes and reduced over data-parallel ranks."""
 from __future__ import annotations
 
 from collections import defaultdict

@@ -133,7 +133,8 @@ class HybridWorker:
             return (f"Every one of the {len(ours)} parameters the engine was given matches the trainer's by checksum, "
                     "so the engine's own loading or use of them is at fault, not the transfer.")
         shown = ", ".join(stale[:10]) + (f" and {len(stale) - 10} more" if len(stale) > 10 else "")
-        return f"Parameters most likely stale (engine copy differs from the trainer's, {len(stale)} of {len(ours)}): {shown}."
+        return (f"Parameters most likely stale (engine copy differs from the trainer's, {len(stale)} of {len(ours)}): "
+                f"{shown}.")
 
     def sync_weights(self, version: int) -> dict:
         """Policy weights (`version` = updates so far) into this worker's engine: a copy in one process, a planned

@@ -172,7 +172,8 @@ class RayPending:
         group, rank, _ = self._entries[i]
         earlier = self.gang.broken
         if earlier is not None:
-            msg = f"worker {rank}/{group.size} of {group.name!r} was stopped in {self.method} by an earlier failure: {earlier}"
+            msg = (f"worker {rank}/{group.size} of {group.name!r} was stopped in {self.method} "
+                   f"by an earlier failure: {earlier}")
         else:
             exc = _settled(group.actors[rank], exc)
             kind, line = _describe(exc)

@@ -12,12 +12,11 @@ from typing import Callable
 
 import torch
 
-from tandem.architectures import has_experts, model_type
+from tandem.architectures import has_experts, lora_targets_for, model_type
 from tandem.config import Config
 from tandem.modeling import weightless_model
 from tandem.rollout import Completion, Rollout, Samples, Sampling, make_engine
 from tandem.sync.convert import ToCheckpoint
-from tandem.train.lora import targets
 from tandem.workers.group import WorkerContext
 from tandem.workers.stream import StreamGroup, StreamReport, StreamSampler
 
@@ -27,7 +26,7 @@ def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
     m, r = cfg.model, cfg.rollout
     if r.engine == "hf":
         return "hf", dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, trust_remote_code=m.trust_remote_code,
-                          device=device, kv_cache_dtype=r.kv_cache_dtype)
+                          device=device)
     v = r.vllm
     kwargs = dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, max_model_len=v.max_model_len or None,
                   kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,
@@ -76,7 +75,8 @@ class RolloutWorker:
         name, kwargs = engine_args(cfg, self.ctx.device)
         if name == "vllm_server" and not kwargs.get("base_url"):
             # its output beside the run's (a server that fails says why only there), and cores of its own
-            kwargs.update(log_path=str(Path(cfg.run.output_dir) / "vllm-server" / f"{self.ctx.name}-{self.ctx.rank}.log"),
+            log_path = Path(cfg.run.output_dir) / "vllm-server" / f"{self.ctx.name}-{self.ctx.rank}.log"
+            kwargs.update(log_path=str(log_path),
                           cpu_bind=server_cores(self.ctx.global_rank, cfg.placement.cpus_per_worker))
         # LoRA: an in-process vLLM engine serves the adapter itself (from tensors in memory, vLLM's LoRA kernels);
         # other engines get it merged into the base weights of the adapted modules (see set_sync_plan). So does
@@ -85,7 +85,7 @@ class RolloutWorker:
         # And adapters on the experts themselves (lora.target_parameters) are always merged: tandem sends them in
         # PEFT's stacked layout, which is not the per-expert one vLLM's LoRA loads.
         moe_on_cpu = self.ctx.device == "cpu" and has_experts(cfg.model.path)
-        on_experts = cfg.lora.enabled and bool(targets(cfg.lora, model_type(cfg.model.path))[1])
+        on_experts = cfg.lora.enabled and bool(lora_targets_for(cfg.lora, model_type(cfg.model.path))[1])
         self._serves_adapters = cfg.lora.enabled and name == "vllm" and not (moe_on_cpu or on_experts)
         if self._serves_adapters:
             kwargs["lora_rank"] = cfg.lora.rank
@@ -196,7 +196,8 @@ class RolloutWorker:
         planned = {n: (shape, dst) for n, (shape, _, dst) in plan.params.items()}
         expected, aliases = self.engine.manifest(), self.engine.weight_aliases()
         if self.cfg.lora.enabled:
-            from tandem.rollout.adapter import A_SUFFIX, adapted_shapes, adapter_manifest
+            from tandem.lora_merge import A_SUFFIX
+            from tandem.rollout.adapter import adapted_shapes, adapter_manifest
 
             stems = [n.removesuffix(A_SUFFIX) for n in planned if n.endswith(A_SUFFIX)]
             dtype = next(iter(expected.values()))[1]

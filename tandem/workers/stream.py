@@ -58,7 +58,6 @@ class StreamSampler:
         self.cfg, self.engine = cfg, engine
         r, pl = cfg.rollout, cfg.placement
         self.slots = r.max_in_flight or cfg.batch.prompts_per_step * cfg.batch.group_size
-        self.capacity = cfg.data.max_prompt_tokens + cfg.max_completion_tokens + 1
         self.max_staleness, self.drop = pl.max_staleness, r.partial == "drop"
         self.session: HFStream | None = None
         self.groups: dict[int, tuple[StreamGroup, dict[int, Completion]]] = {}
@@ -74,7 +73,7 @@ class StreamSampler:
     def add(self, groups: list[StreamGroup], sampling: Sampling) -> None:
         with self.lock:
             if self.session is None:
-                self.session = HFStream(self.engine, sampling, self.slots, self.capacity)
+                self.session = HFStream(self.engine, sampling, self.slots)
             for g in groups:
                 self.groups[g.serial] = (g, {})
                 for i in range(g.n):

@@ -111,7 +111,8 @@ def test_gspo_token_form_reproduces_the_sequence_objective(params, scale):
             if n == 0:
                 continue
             s = torch.exp(((logp[i] - old[i]) * MASK[i]).sum() / n)
-            terms.append(-torch.minimum(s * ADV[i], s.clamp(1 - params.seq_clip_low, 1 + params.seq_clip_high) * ADV[i]))
+            clipped = s.clamp(1 - params.seq_clip_low, 1 + params.seq_clip_high)
+            terms.append(-torch.minimum(s * ADV[i], clipped * ADV[i]))
         return torch.stack(terms).mean()
 
     torch.testing.assert_close(token_form(W0), sequence_objective(W0))

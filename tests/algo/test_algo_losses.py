@@ -145,7 +145,8 @@ def test_entropy_and_terms():
     torch.testing.assert_close(h, torch.tensor([[math.log(4), 0.0]], dtype=torch.float64), atol=1e-12, rtol=0)
     assert entropy_from_logits(logits.bfloat16()).dtype == torch.float32
     mask = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
-    torch.testing.assert_close(entropy_loss_term(h, mask, 0.01), torch.tensor([[-0.01 * math.log(4), 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(entropy_loss_term(h, mask, 0.01),
+                               torch.tensor([[-0.01 * math.log(4), 0.0]], dtype=torch.float64))
     torch.testing.assert_close(kl_loss_term(torch.tensor([[2.0, 5.0]]), mask.float(), 0.1), torch.tensor([[0.2, 0.0]]))
 
 

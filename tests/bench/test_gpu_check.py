@@ -15,7 +15,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # Not `importorskip("ray")`: importing Ray here, before the Ray test modules set its environment (RAY_AUTH_MODE...),
 # made a later ray.init(address=...) wait forever on its GCS connection (seen: tests/workers/test_multinode.py).
 # The whole dry run starts Ray (its heavy checks); the quick tier leaves this module out.
-pytestmark = [pytest.mark.ray, pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")]
+pytestmark = [pytest.mark.ray,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")]
 
 
 def _checks() -> list[str]:

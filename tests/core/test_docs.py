@@ -27,7 +27,8 @@ def test_regenerating_rewrites_only_between_the_markers(tmp_path, monkeypatch):
     (tmp_path / "page.md").write_text("# Title\n\nby hand\n<!-- x:start -->\nold\n<!-- x:end -->\nafter\n")
     block = gen_docs.Block("page.md", "x", lambda: "| a | b |")
     assert gen_docs.write(block) and not gen_docs.write(block)
-    assert (tmp_path / "page.md").read_text() == "# Title\n\nby hand\n<!-- x:start -->\n| a | b |\n<!-- x:end -->\nafter\n"
+    assert (tmp_path / "page.md").read_text() == (
+        "# Title\n\nby hand\n<!-- x:start -->\n| a | b |\n<!-- x:end -->\nafter\n")
 
 
 def test_every_field_is_documented():
@@ -56,3 +57,15 @@ def test_the_readme_is_a_front_door():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
         if "://" not in target:
             assert (ROOT / target).exists(), f"README links to {target}, which is not in the repository"
+
+
+def test_each_metrics_row_keeps_its_columns():
+    """As the config's rows: `|trainer logprob - sampler logprob|` in a meaning must not split its cell."""
+    from tandem.run.metric_names import METRICS, PLACEHOLDERS
+
+    rows = [line for line in gen_docs.metrics_block().splitlines() if line.startswith("| `")]
+    assert len(rows) == len(PLACEHOLDERS) + len(METRICS)
+    for row in rows:
+        outside_code = re.sub(r"`[^`]*`", "", row)
+        assert len(re.findall(r"(?<!\\)\|", outside_code)) == (3 if row.startswith("| `<") else 5), row
+        assert "<" not in outside_code, row

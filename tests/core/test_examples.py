@@ -20,7 +20,7 @@ def test_the_demo_builds_the_model_a_preset_names(monkeypatch):
     import tandem.demo as demo
 
     built = []
-    monkeypatch.setattr(demo, "demo_model", lambda spec=demo.DemoModelSpec(): built.append(spec) or Path("m"))
+    monkeypatch.setattr(demo, "demo_model", lambda spec=None: built.append(spec or demo.DemoModelSpec()) or Path("m"))
     monkeypatch.setattr(demo, "tool_demo_model", lambda: built.append("tools") or Path("t"))
     moe = Path(__file__).resolve().parents[2] / "examples" / "moe.yaml"
     _demo_model(load_config(moe, [], DEMO_DEFAULTS))

@@ -248,12 +248,13 @@ def test_one_update_under_fsdp_and_tp_matches_one_process(zoo, tmp_path, monkeyp
             for res in results:
                 got = res[arch][layout]
                 assert not isinstance(got, str), f"{arch} under {layout}: {got}"
-                torch.testing.assert_close(got["losses"], single, rtol=LOSS_RTOL, atol=0,
-                                           msg=lambda m: f"{arch} under {layout}, losses and entropies: {m}")
+                torch.testing.assert_close(
+                    got["losses"], single, rtol=LOSS_RTOL, atol=0,
+                    msg=lambda m, a=arch, lay=layout: f"{a} under {lay}, losses and entropies: {m}")
                 assert got["weights"].keys() == weights.keys()
                 for name, w in weights.items():
                     torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=WEIGHT_ATOL,
-                                               msg=lambda m, n=name: f"{arch} under {layout}: {n}: {m}")
+                                               msg=lambda m, a=arch, lay=layout, n=name: f"{a} under {lay}: {n}: {m}")
                 assert got["engine"] and got["engine"].keys() <= weights.keys()
                 for name, w in got["engine"].items():
                     assert torch.equal(w, got["weights"][name]), f"{arch} under {layout}: engine's {name}"

@@ -89,7 +89,8 @@ def test_metrics_cover_the_step(tiny_model, tmp_path):
                                  "algo.kl_coef=0.1"))
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     step = rows[1]
-    for key in ("reward/mean", "reward/std", "reward/arithmetic_exact", "reward/toy_rewards:text_length", "reward/errors/arithmetic_exact",
+    for key in ("reward/mean", "reward/std", "reward/arithmetic_exact", "reward/toy_rewards:text_length",
+                "reward/errors/arithmetic_exact",
                 "train/accuracy", "advantage/mean", "advantage/std", "kl", "clip_frac", "entropy",
                 "completion/length_mean", "completion/length_max", "completion/truncated_frac", "grad_norm", "lr",
                 "time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync", "tokens_per_s",
@@ -138,7 +139,8 @@ def test_broken_rewards_score_zero_are_counted_and_training_goes_on(tiny_model, 
                        "reward_pool.max_error_rate=1", "batch.prompts_per_step=2", "batch.group_size=2",
                        "data.eval_size=2"))
     step = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()][1]
-    assert step["reward/error_rate/toy_rewards:raises"] == 1.0 and step["reward/error_rate/toy_rewards:text_length"] == 0
+    assert step["reward/error_rate/toy_rewards:raises"] == 1.0
+    assert step["reward/error_rate/toy_rewards:text_length"] == 0
     assert step["reward/errors/toy_rewards:raises"] == 4 and step["reward/errors/toy_rewards:raises/raised"] == 4
     assert step["reward/errors/toy_rewards:hangs/timeout"] == 4
     assert step["reward/errors/toy_rewards:kills_worker/crashed"] == 4

@@ -1,4 +1,5 @@
 """The tool demo's task: rows, the calculator, its rewards, and a tokenizer that encodes each segment the same."""
+import functools
 import random
 
 import pytest
@@ -62,7 +63,7 @@ def test_segments_encode_the_same_alone_and_joined(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     reloaded = load_tokenizer(tmp_path)
     for tok in (tokenizer, reloaded):
-        enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+        enc = functools.partial(tok.encode, add_special_tokens=False)
         for tag in multiply.TAGS:
             assert len(enc(tag)) == 1, tag
         assert all(len(enc(str(d))) == 1 for d in range(10))

@@ -39,7 +39,8 @@ def test_printing_a_verdict_or_a_success_line():
 
 def test_reading_the_pass_marker_from_the_programs_own_code():
     # Old sandbox: the pass marker was a constant of the program's own code object, so this passed any assert test.
-    marker = ("import os, sys\nfor c in sys._getframe().f_code.co_consts:\n    if str(c).startswith('tandem-pass-') and len(str(c)) > 12:\n"
+    marker = ("import os, sys\nfor c in sys._getframe().f_code.co_consts:\n"
+              "    if str(c).startswith('tandem-pass-') and len(str(c)) > 12:\n"
               "        print(c)\n        sys.stdout.flush()\n        os._exit(0)\n")
     assert score(WRONG + marker) == 0.0
 
@@ -183,7 +184,8 @@ AREA_TESTS = ["assert abs(area(2) - 12.566) < 1e-3", "assert len(squares(3)) == 
 AREA_WRONG = "def area(r):\n    return 0\ndef squares(n):\n    return []\ndef uniq(xs):\n    return xs[:1]\n"
 # (using no builtin or module that a shadow below replaces in the program itself)
 AREA_RIGHT = ("import math\ndef area(r):\n    return 3.141592653589793 * r * r\n"
-              "def squares(n):\n    return [i * i for i in range(n)]\ndef uniq(xs):\n    return list(dict.fromkeys(xs))\n")
+              "def squares(n):\n    return [i * i for i in range(n)]\n"
+              "def uniq(xs):\n    return list(dict.fromkeys(xs))\n")
 
 
 @pytest.mark.parametrize("shadow", [
@@ -326,7 +328,8 @@ CORRECT_CODE = {
         "from fractions import Fraction\nimport datetime\nassert half(1) == Fraction(1, 2)\n"
         "assert next_day(datetime.date(2024, 2, 28)) == datetime.date(2024, 2, 29)"),
     "a list of the program's objects": (
-        "class Item:\n    def __init__(self, w):\n        self.w = w\ndef items(n):\n    return [Item(i) for i in range(n)]\n",
+        "class Item:\n    def __init__(self, w):\n        self.w = w\n"
+        "def items(n):\n    return [Item(i) for i in range(n)]\n",
         "class Item:\n    def __init__(self, w):\n        self.w = w\ndef items(n):\n    return [Item(0)] * n\n",
         "assert [it.w for it in items(3)] == [0, 1, 2]"),
     "a module-level table over 64 MB": (  # about 100 MB pickled
@@ -348,14 +351,17 @@ CORRECT_CODE = {
     "the program's own exception class caught": (
         "class BadInput(ValueError):\n    pass\ndef check_age(n):\n    if n < 0:\n        raise BadInput('negative')\n"
         "    return n\n",
-        "class BadInput(ValueError):\n    pass\ndef check_age(n):\n    if n < 0:\n        raise ValueError('negative')\n"
+        "class BadInput(ValueError):\n    pass\ndef check_age(n):\n"
+        "    if n < 0:\n        raise ValueError('negative')\n"
         "    return n\n",
         "try:\n    check_age(-1)\nexcept BadInput as e:\n    assert str(e) == 'negative'\nelse:\n"
         "    raise AssertionError('no BadInput')"),
     "an object of a class the tests define": (
-        "def invert(t):\n    if t is not None:\n        t.left, t.right = invert(t.right), invert(t.left)\n    return t\n",
+        "def invert(t):\n    if t is not None:\n"
+        "        t.left, t.right = invert(t.right), invert(t.left)\n    return t\n",
         "def invert(t):\n    return t\n",
-        "class Node:\n    def __init__(self, v, left=None, right=None):\n        self.v, self.left, self.right = v, left, right\n"
+        "class Node:\n    def __init__(self, v, left=None, right=None):\n"
+        "        self.v, self.left, self.right = v, left, right\n"
         "t = Node(1, Node(2), Node(3))\nassert invert(t) is t and (t.left.v, t.right.v) == (3, 2)"),
 }
 
@@ -368,8 +374,8 @@ def test_correct_code_passes_and_its_wrong_twin_fails(case):
 
 
 # What the mirrors of the program's objects must not let through: relations with the tests' values decided by the
-# program (the rule in sandbox/judge/mirrors.py), a swallowed assertion of the tests', a program gone inside `except Exception`, a
-# method of the tests' object hidden by the copy-back, a crafted message on the program's socket.
+# program (the rule in sandbox/judge/mirrors.py), a swallowed assertion of the tests', a program gone inside
+# `except Exception`, a method of the tests' object hidden by the copy-back, a crafted message on the program's socket.
 ATTACKS = {
     "arithmetic that returns what the tests want": (
         "class Z:\n    def __sub__(self, o):\n        return 0.0\n    __rsub__ = __sub__\n"
@@ -397,14 +403,17 @@ ATTACKS = {
         "class Board:\n    def __init__(self):\n        self.cells = [0]\n    def is_solved(self):\n"
         "        return self.cells == [1]\nb = Board()\nsolve(b)\nassert b.is_solved()"),
     "a crafted pickle on the program's socket": (
-        "import os, pickle, socket\nclass E:\n    def __reduce__(self):\n        return (os.system, ('touch /tmp/pwned',))\n"
-        "s = socket.socket(fileno=3)\ndata = pickle.dumps(('ready',))\ns.sendall(len(data).to_bytes(8, 'little') + data)\n"
+        "import os, pickle, socket\nclass E:\n    def __reduce__(self):\n"
+        "        return (os.system, ('touch /tmp/pwned',))\n"
+        "s = socket.socket(fileno=3)\ndata = pickle.dumps(('ready',))\n"
+        "s.sendall(len(data).to_bytes(8, 'little') + data)\n"
         "data = pickle.dumps(('ok', [], E(), []))\ns.sendall(len(data).to_bytes(8, 'little') + data)\n"
         "def add(a, b):\n    return 0\n",
         "assert add(2, 3) == 5"),
     "a forged reply on the program's socket": (
         "import pickle, socket\ns = socket.socket(fileno=3)\n"
-        "def add(a, b):\n    data = pickle.dumps(('ok', [], 5, []))\n    s.sendall(len(data).to_bytes(8, 'little') + data)\n"
+        "def add(a, b):\n    data = pickle.dumps(('ok', [], 5, []))\n"
+        "    s.sendall(len(data).to_bytes(8, 'little') + data)\n"
         "    return 0\n",
         "assert add(2, 3) == 5 and add(1, 1) == 2"),
 }

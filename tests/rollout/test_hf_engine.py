@@ -32,11 +32,12 @@ def recompute_logprobs(model, prompt, completion, temperature):
 
 @pytest.fixture(params=["prompt per row", "prompt shared"])
 def prompt_cache(request, monkeypatch):
-    """Both ways the lean decoder holds a prompt: copied into each row's cache, or once for its group (split
-    attention), each forced by the threshold."""
-    from tandem.rollout import llama_decode
+    """Both ways the engine holds a group's prompt in decode: once for the group (tandem.rollout.shared_prompt, the
+    tiny Qwen2's way), or copied out to every row for the HF forward (every other architecture's)."""
+    from tandem.rollout import hf
 
-    monkeypatch.setattr(llama_decode, "SHARED_PROMPT_MIN_BYTES", 1 if request.param == "prompt shared" else 1 << 62)
+    if request.param == "prompt per row":
+        monkeypatch.setattr(hf, "shares", lambda model, n: False)
     return request.param
 
 
@@ -183,68 +184,38 @@ def test_load_weights_refuses_bad_names_and_shapes_without_changing_anything(eng
     engine.load_weights([(name, before)])
 
 
+def test_a_prompt_held_once_samples_as_the_hf_forward(tiny_model, prompts, monkeypatch):
+    """The shared-prompt decoder samples the same tokens with the same logprobs as the HF forward's copied cache,
+    left padding included (the prompts differ in length); it runs for a group, not for one row per prompt."""
+    from tandem.rollout import hf, shared_prompt
+
+    engine, built, real = HFEngine(str(tiny_model), seed=0), [], shared_prompt.SharedPromptDecoder.__init__
+
+    def recording(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(shared_prompt.SharedPromptDecoder, "__init__", recording)
+    s = Sampling(n=3, temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=7)
+    shared = engine.generate(prompts, s)
+    assert len(built) == 1  # the path under test ran
+    engine.generate(prompts, dataclasses.replace(s, n=1))
+    assert len(built) == 1  # one row per prompt: nothing to share, the HF forward
+    monkeypatch.setattr(hf, "shares", lambda model, n: False)
+    per_row = engine.generate(prompts, s)
+    assert [c.completion_ids for c in shared] == [c.completion_ids for c in per_row]
+    for a, b in zip(shared, per_row):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
 def test_empty_prompt_is_refused(engine):
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([[]], Sampling())
 
 
-def test_lean_decode_matches_the_hf_forward(tiny_model, prompts, prompt_cache, monkeypatch):
-    """The static-cache decode path (llama_decode) samples the same tokens with the same logprobs as the HF forward,
-    left padding included."""
-    from tandem.rollout import llama_decode
-
-    fast, slow = HFEngine(str(tiny_model), seed=0), HFEngine(str(tiny_model), seed=0)
-    slow.fast_decode = False
-    assert llama_decode.supports(fast.model)
-    decoders, build = [], llama_decode.StaticDecoder.__init__
-
-    def recording(self, *args, **kwargs):
-        build(self, *args, **kwargs)
-        decoders.append(self.shared)
-
-    monkeypatch.setattr(llama_decode.StaticDecoder, "__init__", recording)
-    s = Sampling(n=3, temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=7)
-    a, b = fast.generate(prompts, s), slow.generate(prompts, s)
-    assert decoders == [prompt_cache == "prompt shared"]  # the path under test ran, and only the fast engine's
-    assert [c.completion_ids for c in a] == [c.completion_ids for c in b]
-    for x, y in zip(a, b):
-        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
-
-
-def test_a_bf16_kv_cache_holds_bf16_keys_and_keeps_logprobs_near_a_fresh_forward(tiny_model, prompts, prompt_cache,
-                                                                                   monkeypatch):
-    """rollout.kv_cache_dtype=bfloat16 under a float32 model: the lean decoder's cache is bf16 (so the logprobs
-    move off a fresh float32 forward's, as rounding keys, values and queries must), and no further than bf16's
-    rounding."""
-    from tandem.rollout import llama_decode
-
-    dtypes, build = [], llama_decode.StaticDecoder.__init__
-
-    def recording(self, *args, **kwargs):
-        build(self, *args, **kwargs)
-        dtypes.append((self.k[0].dtype, (self.prompt_k or self.k)[0].dtype))
-
-    monkeypatch.setattr(llama_decode.StaticDecoder, "__init__", recording)
-    model = load_causal_lm(tiny_model)
-    s = Sampling(n=3, temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=7)
-    gaps = {}
-    for kv in ("float32", "bfloat16"):
-        out = HFEngine(str(tiny_model), seed=0, kv_cache_dtype=kv).generate(prompts, s)
-        gaps[kv] = torch.cat([(torch.tensor(c.logprobs) - recompute_logprobs(model, c.prompt_ids, c.completion_ids,
-                                                                             1.0)).abs() for c in out])
-    assert dtypes == [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
-    assert float(gaps["float32"].max()) < 1e-5
-    # measured on this tiny random model: float32 mean ~1e-7, bfloat16 mean 4-5e-5, max 1e-4 (the demo's: 1e-3)
-    mean = float(gaps["bfloat16"].mean())
-    assert mean > max(1e-5, 10 * float(gaps["float32"].mean())) and float(gaps["bfloat16"].max()) < 1e-2, mean
-
-
-@pytest.mark.parametrize("fast_decode", [True, False])
-def test_the_prefill_runs_each_prompt_once(tiny_model, prompts, fast_decode):
+def test_the_prefill_runs_each_prompt_once(engine, prompts, prompt_cache):
     """A group's n completions share their prompt: the prefill's forward sees each prompt once, not n times, and the
     rows still get their own samples (the decode steps run every row)."""
-    engine = HFEngine(str(tiny_model), seed=0)
-    engine.fast_decode = fast_decode
     batches = []
     hook = engine.model.model.embed_tokens.register_forward_hook(lambda m, args, out: batches.append(args[0].shape))
     try:
@@ -256,15 +227,10 @@ def test_the_prefill_runs_each_prompt_once(tiny_model, prompts, fast_decode):
     assert len({tuple(c.completion_ids) for c in out}) > len(prompts)  # a group's rows are sampled apart
 
 
-@pytest.mark.parametrize("fast_decode", [True, False])
 def test_a_limit_per_prompt_stops_each_prompts_completions_at_its_own_length(engine, prompts, tiny_model,
-                                                                             fast_decode):
-    engine.fast_decode = fast_decode
-    try:
-        out = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_new_tokens=6, max_tokens=(2, 6, 4),
-                                                ignore_eos=True, seed=5))
-    finally:
-        engine.fast_decode = True
+                                                                             prompt_cache):
+    out = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_new_tokens=6, max_tokens=(2, 6, 4),
+                                            ignore_eos=True, seed=5))
     assert [len(c.completion_ids) for c in out] == [2, 2, 6, 6, 4, 4]
     assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.completion_ids) for c in out)
     model = load_causal_lm(tiny_model)

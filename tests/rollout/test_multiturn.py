@@ -13,9 +13,11 @@ from tandem.rollout.base import Completion, Sampling, Samples
 from tandem.rollout.hf import HFEngine
 from tandem.rollout.multiturn import TurnLimits, conversation_stats, converse
 from tandem.train.batch import make_micro_batches
-from tandem.train.policy import Policy, token_logprobs
+from tandem.train.logprobs import token_logprobs
+from tandem.train.policy import Policy
 
 SAMPLING = Sampling(n=2, temperature=1.0, max_new_tokens=5, seed=7)
+LIMITS = TurnLimits(3, 64)
 
 
 @dataclass
@@ -61,7 +63,7 @@ def parts(tiny_model):
     return tok, HFEngine(str(tiny_model), seed=0)
 
 
-def conversations(parts, prompts, make_env=Echo, limits=TurnLimits(3, 64)):
+def conversations(parts, prompts, make_env=Echo, limits=LIMITS):
     tok, engine = parts
     counting = CountingEngine(engine)
     return converse(counting, tok, prompts, Sampling(n=2, temperature=1.0, max_new_tokens=5, seed=7, ignore_eos=True),
@@ -174,7 +176,8 @@ def run_config(model, out, *extra: str):
         f"model.path={model}", f"run.output_dir={out}", "run.steps=2", "run.save_every=0", "run.progress=false",
         "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=2",
         "rollout.max_new_tokens=4", "data.max_prompt_tokens=8", "batch.micro_batch_tokens=256", "optim.lr=1e-2",
-        "data.eval_size=4", "reward_pool.workers=0", "env.name=test_multiturn:echo_env", "env.kwargs={turns: 3}", "env.max_tokens=64",
+        "data.eval_size=4", "reward_pool.workers=0", "env.name=test_multiturn:echo_env", "env.kwargs={turns: 3}",
+        "env.max_tokens=64",
         "rollout.max_logprob_diff=1e-5", "rollout.ignore_eos=true",  # every conversation takes its 3 turns
         "rewards=[{name: 'toy_rewards:text_length'}]", *extra])
 

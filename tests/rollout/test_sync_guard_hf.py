@@ -1,4 +1,4 @@
-"""No silent wrong sync (hf engine): a bad name manifest is refused untouched; a corrupted sync stops the run by name."""
+"""No silent wrong sync (hf engine): a bad name manifest is refused untouched; a corrupt sync stops the run by name."""
 from __future__ import annotations
 
 import json

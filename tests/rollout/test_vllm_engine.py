@@ -123,7 +123,8 @@ def test_top_k_logprobs_are_before_truncation(engine, hf):
 
 
 def test_greedy_n_copies(engine, hf):
-    outs = assert_matches_hf(engine, hf, PROMPTS[:2], Sampling(n=3, temperature=0.0, max_new_tokens=10, ignore_eos=True))
+    greedy = Sampling(n=3, temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    outs = assert_matches_hf(engine, hf, PROMPTS[:2], greedy)
     assert len(outs) == 6
     assert outs[0].completion_ids == outs[1].completion_ids == outs[2].completion_ids
 
@@ -160,7 +161,8 @@ def test_stop_string_ends_text_after_it(engine):
     stop = tok.decode(first.completion_ids[4:6], skip_special_tokens=True)
     c = engine.generate([PROMPTS[1]], Sampling(temperature=0.0, max_new_tokens=10, stop=(stop,)))[0]
     assert c.finish_reason == "stop" and c.text.endswith(stop)
-    assert c.completion_ids == first.completion_ids[: len(c.completion_ids)] and len(c.logprobs) == len(c.completion_ids)
+    assert c.completion_ids == first.completion_ids[: len(c.completion_ids)]
+    assert len(c.logprobs) == len(c.completion_ids)
 
 
 def test_a_seeded_batch_larger_than_one_engine_step_samples(engine):

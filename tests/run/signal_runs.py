@@ -1,4 +1,4 @@
-"""`tandem train` in a subprocess, signalled as a terminal, a scheduler or the kernel would: helpers for the stop tests."""
+"""`tandem train` in a subprocess, signalled as a terminal, a scheduler or the kernel would: the stop tests' helpers."""
 from __future__ import annotations
 
 import json

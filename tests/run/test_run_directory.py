@@ -434,7 +434,7 @@ def test_a_checkpoint_saved_without_checksums_resumes_with_a_warning(finished_ru
 
 def test_every_published_checkpoint_lists_the_checksum_of_each_of_its_files(finished_run):
     out, events = finished_run
-    for step, folder in checkpoint.checkpoints(out / "checkpoints"):
+    for _step, folder in checkpoint.checkpoints(out / "checkpoints"):
         listed = json.loads((folder / checkpoint.CHECKSUMS).read_text())
         files = sorted(p.name for p in folder.iterdir() if p.name != checkpoint.CHECKSUMS)
         assert sorted(listed["files"]) == files and "model.safetensors" in files and "optimizer.pt" in files

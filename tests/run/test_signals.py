@@ -1,5 +1,5 @@
 """A run told to stop stops well: SIGTERM and SIGINT save the last completed step and exit 128 + signal with one line,
-a second signal stops at once, and a run killed or stopped at random instants and resumed equals the one never stopped."""
+a second signal stops at once, and a run killed or stopped at random instants and resumed equals one never stopped."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,6 @@ import re
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch

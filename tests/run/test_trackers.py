@@ -23,11 +23,13 @@ from typing import Iterator
 
 import pytest
 
+from tandem.config import trackers as tracker_libraries
 from tandem.run import checkpoint, trackers
 
 STORES = Path(__file__).with_name("tracker_stores.py")
 ALL = ["tensorboard", "wandb", "mlflow", "trackio", "swanlab"]
-all_installed = pytest.mark.skipif(trackers.missing(ALL) != [], reason=f"not installed: {trackers.missing(ALL)} "
+all_installed = pytest.mark.skipif(tracker_libraries.missing(ALL) != [], reason=f"not installed: "
+                                   f"{tracker_libraries.missing(ALL)} "
                                    "(MLflow's SQLite store needs sqlalchemy and alembic too): pip install "
                                    "'tandem[trackers]'")
 with_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow not installed")
@@ -134,7 +136,7 @@ def test_a_tracker_not_installed_is_refused_before_any_model_loads(tiny_model, t
     from tandem import modeling
     from tandem.cli import main
 
-    monkeypatch.setitem(trackers.TRACKERS, "wandb", ("a_module_that_is_not_installed", "wandb"))
+    monkeypatch.setitem(tracker_libraries.TRACKERS, "wandb", ("a_module_that_is_not_installed", "wandb"))
     monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
     code = main(["train", str(_config_file(tmp_path)), f"model.path={tiny_model}", "run.report_to=[wandb]",
                  f"run.output_dir={tmp_path / 'run'}"])

@@ -1,4 +1,4 @@
-"""The code sandbox: correct scoring, and for each attack an assertion that the damage did not happen, in bounded time."""
+"""The code sandbox: correct scoring, and per attack an assertion that the damage did not happen, in bounded time."""
 from __future__ import annotations
 
 import os
@@ -36,7 +36,8 @@ def test_correct_and_partial_and_wrong_solutions():
 
 def test_early_exit_or_printed_verdict_does_not_pass_assert_tests():
     assert score("import sys\ndef add(a, b): return 0\nsys.exit(0)", ["assert add(2, 3) == 5"]) == 0.0
-    assert score("import os\ndef add(a, b): return 0\nprint('tandem-pass'); os._exit(0)", ["assert add(1, 1) == 2"]) == 0.0
+    assert score("import os\ndef add(a, b): return 0\nprint('tandem-pass'); os._exit(0)",
+                 ["assert add(1, 1) == 2"]) == 0.0
 
 
 def test_row_schema_test_code_and_missing_tests():
@@ -181,7 +182,8 @@ def test_cannot_open_a_network_connection():
     listener.listen(1)
     listener.settimeout(0.3)
     port = listener.getsockname()[1]
-    prog = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'hi')\nprint('connected')"
+    prog = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'hi')\n"
+            "print('connected')")
     try:
         r = run_python(prog)
         assert not r.ok and "connected" not in r.stdout

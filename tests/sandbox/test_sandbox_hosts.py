@@ -62,7 +62,8 @@ PROBE = textwrap.dedent('''
 
 def _python_under_root() -> str:
     python = _interpreter()
-    if os.geteuid() != 0 or not python.startswith("/root/") or not shutil.which("unshare") or not shutil.which("setpriv"):
+    if (os.geteuid() != 0 or not python.startswith("/root/") or not shutil.which("unshare")
+            or not shutil.which("setpriv")):
         pytest.skip("needs root, util-linux and an interpreter under /root (to give it to another user's home)")
     return python
 
@@ -74,7 +75,8 @@ def _as_user(top: str, where: str, cwd: str, command: str) -> str:
     os.mkdir(stash)
     return (f"mount --bind {top} {stash} && mount -t tmpfs -o mode=0700,uid={USER},gid={USER} home /root"
             f" && mkdir {top} && mount --bind {stash} {top} && cd {cwd} &&"
-            f" exec setpriv --reuid={USER} --regid={USER} --clear-groups env -i PATH=/usr/bin:/bin HOME=/root {command}")
+            f" exec setpriv --reuid={USER} --regid={USER} --clear-groups"
+            f" env -i PATH=/usr/bin:/bin HOME=/root {command}")
 
 
 def run_elsewhere(as_user: bool, namespaces: bool) -> dict:
@@ -158,7 +160,8 @@ def test_it_sees_the_interpreter_and_nothing_else_of_the_host(tmp_path):
     os.chmod(secret, 0o644)  # world-readable on the host, and still not there in the sandbox
     venv_pkg = os.path.dirname(os.path.dirname(json.__file__))  # the stdlib's parent
     prog = (f"import os, sys\nfor p in [{str(secret)!r}, '/etc/passwd', '/etc/hostname', os.getcwd() + '/..', "
-            f"{os.path.dirname(pytest.__file__)!r}, {sys.prefix!r}, '/usr/bin', '/home', '/var', '/work', '/proc/1/root/etc']:\n"
+            f"{os.path.dirname(pytest.__file__)!r}, {sys.prefix!r}, '/usr/bin', '/home', '/var', '/work', "
+            f"'/proc/1/root/etc']:\n"
             f"    print(p, os.path.exists(p))\n"
             f"for name in ('pytest', 'torch', 'yaml', 'tandem'):\n"
             f"    try:\n        __import__(name)\n        print(name, 'imported')\n"

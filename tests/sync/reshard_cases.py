@@ -36,33 +36,44 @@ def layout_cases() -> dict[str, tuple[ModelLayout, ModelLayout, dict]]:
     p, p4, pm = DENSE.params(), DENSE_TP4.params(), MOE.params()
     dp2tp2 = Mesh.of(dp=2, tp=2)
     cases = {
-        "dp1tp2pp2_to_dp2tp2": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)), build_layout(p, dp2tp2, DENSE.spec()), {}),
-        "dp1tp4_to_dp2tp2": (build_layout(p4, Mesh.of(tp=4), DENSE_TP4.spec()), build_layout(p4, dp2tp2, DENSE_TP4.spec()), {}),
-        "dp1tp2cp2_to_dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), DENSE.spec()), build_layout(p, dp2tp2, DENSE.spec()), {}),
-        "dp1tp2ep2_to_dp2tp2": (build_layout(pm, Mesh.of(ep=2, tp=2), MOE.spec(ep=2)), build_layout(pm, dp2tp2, MOE.spec()), {}),
+        "dp1tp2pp2_to_dp2tp2": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)),
+                                build_layout(p, dp2tp2, DENSE.spec()), {}),
+        "dp1tp4_to_dp2tp2": (build_layout(p4, Mesh.of(tp=4), DENSE_TP4.spec()),
+                             build_layout(p4, dp2tp2, DENSE_TP4.spec()), {}),
+        "dp1tp2cp2_to_dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), DENSE.spec()),
+                                build_layout(p, dp2tp2, DENSE.spec()), {}),
+        "dp1tp2ep2_to_dp2tp2": (build_layout(pm, Mesh.of(ep=2, tp=2), MOE.spec(ep=2)),
+                                build_layout(pm, dp2tp2, MOE.spec()), {}),
         "dp1tp4_to_dp2tp2_ranks_assigned": (build_layout(p4, Mesh.of(tp=4), DENSE_TP4.spec()),
                                             _assigned(build_layout(p4, Mesh.of(tp=4), DENSE_TP4.spec()),
                                                       build_layout(p4, dp2tp2, DENSE_TP4.spec())), {}),
-        "fsdp4_to_tp2dp2": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")), build_layout(p, dp2tp2, DENSE.spec()), {}),
-        "fsdp_ranks01_to_replicas_ranks23": (build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")), replicated_layout(p, [2, 3]), {}),
+        "fsdp4_to_tp2dp2": (build_layout(p, Mesh.of(dp=4), Spec(zero="dim0")),
+                            build_layout(p, dp2tp2, DENSE.spec()), {}),
+        "fsdp_ranks01_to_replicas_ranks23": (build_layout(p, Mesh.of(dp=2), Spec(zero="dim0")),
+                                             replicated_layout(p, [2, 3]), {}),
         # ZeRO flat shards of a bf16 model into replicas, streamed through a bucket far smaller than one tensor
-        "flat_zero4_bf16_to_replicas_streamed": (build_layout(DENSE.params(torch.bfloat16), Mesh.of(dp=4), Spec(zero="flat")),
-                                                 replicated_layout(DENSE.params(torch.bfloat16), range(4)),
-                                                 {"bucket_bytes": 1024, "stream": True}),
+        "flat_zero4_bf16_to_replicas_streamed": (
+            build_layout(DENSE.params(torch.bfloat16), Mesh.of(dp=4), Spec(zero="flat")),
+            replicated_layout(DENSE.params(torch.bfloat16), range(4)),
+            {"bucket_bytes": 1024, "stream": True}),
         # the same layouts over gloo p2p only (another host, or a GPU, takes this path)
-        "dp1tp2pp2_to_dp2tp2_p2p": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)), build_layout(p, dp2tp2, DENSE.spec()),
+        "dp1tp2pp2_to_dp2tp2_p2p": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)),
+                                    build_layout(p, dp2tp2, DENSE.spec()),
                                     {"shared_memory": False}),
-        "flat_zero4_bf16_to_replicas_streamed_p2p": (build_layout(DENSE.params(torch.bfloat16), Mesh.of(dp=4), Spec(zero="flat")),
-                                                     replicated_layout(DENSE.params(torch.bfloat16), range(4)),
-                                                     {"bucket_bytes": 1024, "stream": True, "shared_memory": False}),
+        "flat_zero4_bf16_to_replicas_streamed_p2p": (
+            build_layout(DENSE.params(torch.bfloat16), Mesh.of(dp=4), Spec(zero="flat")),
+            replicated_layout(DENSE.params(torch.bfloat16), range(4)),
+            {"bucket_bytes": 1024, "stream": True, "shared_memory": False}),
         # sources that are strided views (the left half of tensors twice as wide) into a destination of another dtype
         "dp1tp2pp2_to_dp2tp2_strided_sources_cast": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)),
                                                      build_layout(DENSE.params(torch.float64), dp2tp2, DENSE.spec()),
                                                      {"strided": True}),
-        "dp1tp2pp2_to_dp2tp2_strided_sources_cast_p2p": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)),
-                                                         build_layout(DENSE.params(torch.float64), dp2tp2, DENSE.spec()),
-                                                         {"strided": True, "shared_memory": False}),
-        "tp2pp2_to_replicas_into_out": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)), replicated_layout(p, range(4)), {"out": True}),
+        "dp1tp2pp2_to_dp2tp2_strided_sources_cast_p2p": (
+            build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)),
+            build_layout(DENSE.params(torch.float64), dp2tp2, DENSE.spec()),
+            {"strided": True, "shared_memory": False}),
+        "tp2pp2_to_replicas_into_out": (build_layout(p, Mesh.of(pp=2, tp=2), DENSE.spec(pp=2)),
+                                        replicated_layout(p, range(4)), {"out": True}),
     }
     return cases
 
@@ -75,7 +86,8 @@ def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -
     full = full_model(src)
     mine = {n: local_tensor(pl, rank, full[n]) for n, pl in src.items() if rank in pl.shards}
     if opts.get("strided"):  # each source a strided view: the left half of a tensor twice as wide
-        mine = {n: torch.cat([t, torch.full_like(t, float("nan"))], dim=-1)[..., : t.shape[-1]] for n, t in mine.items()}
+        mine = {n: torch.cat([t, torch.full_like(t, float("nan"))], dim=-1)[..., : t.shape[-1]]
+                for n, t in mine.items()}
     p = plan(src, dst)
     if p.bytes_moved != p.lower_bound:
         return f"moved {p.bytes_moved} != lower bound {p.lower_bound}"

@@ -23,7 +23,8 @@ def simulate(p, src: ModelLayout, dst: ModelLayout, fulls: dict[str, torch.Tenso
     for m in p.moves:
         assert m.src_piece in src[m.name].shards[m.src].pieces, "sent from a piece the sender does not hold"
         assert m.dst_piece in dst[m.name].shards[m.dst].pieces
-        values = m.src_piece.view(held[(m.name, m.src)])[slices(tuple((a - o, b - o) for (a, b), (o, _) in zip(m.box, m.src_piece.box)))]
+        src_rel = slices(tuple((a - o, b - o) for (a, b), (o, _) in zip(m.box, m.src_piece.box)))
+        values = m.src_piece.view(held[(m.name, m.src)])[src_rel]
         assert torch.equal(values, fulls[m.name][slices(m.box)])
         rel = slices(tuple((a - o, b - o) for (a, b), (o, _) in zip(m.box, m.dst_piece.box)))
         m.dst_piece.view(got[(m.name, m.dst)])[rel].copy_(values)
@@ -32,7 +33,8 @@ def simulate(p, src: ModelLayout, dst: ModelLayout, fulls: dict[str, torch.Tenso
     for n, pl in dst.items():
         for r, shard in pl.shards.items():
             assert torch.equal(got[(n, r)], local_tensor(pl, r, fulls[n])), f"{n} on rank {r} is wrong"
-            assert bool((writes[(n, r)] == 1).all()), f"{n} on rank {r}: an element written {writes[(n, r)].max()} times"
+            assert bool((writes[(n, r)] == 1).all()), (
+                f"{n} on rank {r}: an element written {writes[(n, r)].max()} times")
             mask = torch.zeros(pl.shape, dtype=torch.bool)  # what rank r already holds, found independently
             for sp in src[n].shards[r].pieces if r in src[n].shards else ():
                 mask[slices(sp.box)] = True
@@ -177,7 +179,8 @@ def test_executor_in_one_process_copies_locally():
     from tandem.sync.reshard import Resharder
 
     params = {"qkv": ((8, 3), torch.bfloat16), "b": ((5,), torch.bfloat16)}
-    src = {"qkv": ParamLayout((8, 3), torch.bfloat16, {0: take(full_shard((8, 3)), 0, [(4, 8), (0, 4)])}),  # rows swapped
+    # rows swapped
+    src = {"qkv": ParamLayout((8, 3), torch.bfloat16, {0: take(full_shard((8, 3)), 0, [(4, 8), (0, 4)])}),
            "b": ParamLayout((5,), torch.bfloat16, {0: full_shard((5,))})}
     dst = {"qkv": ParamLayout((8, 3), torch.bfloat16, {0: flat_chunk(full_shard((8, 3)), 1, 0)}),
            "b": ParamLayout((5,), torch.bfloat16, {0: take(full_shard((5,)), 0, [(3, 5), (0, 3)])})}

@@ -3,7 +3,6 @@ exactly and export merged, an MoE's stacked experts adapted and merged as PEFT d
 refused before any model loads."""
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import sys

@@ -169,11 +169,11 @@ def test_sharded_training_matches_one_process(tmp_path, monkeypatch):
         losses, weights = _train(single, None), single.full_state_dict()
         for r, res in enumerate(results):
             torch.testing.assert_close(res[f"{arch}_losses"], losses, rtol=ZOO_LOSS_RTOL, atol=0,
-                                       msg=lambda m: f"{arch} under dp 2 x tp 2: {m}")
+                                       msg=lambda m, a=arch: f"{a} under dp 2 x tp 2: {m}")
             assert res[f"{arch}_weights"].keys() == weights.keys()
             for k, w in weights.items():
                 torch.testing.assert_close(res[f"{arch}_weights"][k], w, rtol=0, atol=ZOO_ATOL,
-                                           msg=lambda m, k=k: f"{arch} rank {r}: {k}: {m}")
+                                           msg=lambda m, a=arch, r=r, k=k: f"{a} rank {r}: {k}: {m}")
             synced = res[f"{arch}_synced"]
             assert synced.keys() <= weights.keys() and len(synced) > 0
             assert all(torch.equal(t, res[f"{arch}_weights"][k]) for k, t in synced.items()), (arch, r)
@@ -188,7 +188,7 @@ def test_offload_is_exact_and_engine_sleeps(tmp_path):
     def roundtrip(policy) -> None:
         # gradients exist only between backward and step: make some, so the grads group has something to move
         mb = _step(None, [4])[0][0][0]
-        from tandem.train.policy import token_logprobs
+        from tandem.train.logprobs import token_logprobs
 
         token_logprobs(policy.model, mb, 1.0)[0].sum().backward()
         grads = [p.grad.clone() for p in policy.params]

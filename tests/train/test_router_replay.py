@@ -17,7 +17,8 @@ from tandem.config import AlgoConfig, OptimConfig  # noqa: E402
 from tandem.rollout.base import Sampling, Samples  # noqa: E402
 from tandem.rollout.hf import HFEngine  # noqa: E402
 from tandem.train.batch import make_micro_batches  # noqa: E402
-from tandem.train.policy import Policy, routed_logprobs  # noqa: E402
+from tandem.train.logprobs import routed_logprobs  # noqa: E402
+from tandem.train.policy import Policy  # noqa: E402
 
 # prompts of unequal lengths (the prefill pads them) and a one-token one; n = 2 rows share each prompt; every fifth
 # token stops a row, so rows finish at different steps (and keep feeding padding after)

@@ -7,7 +7,7 @@ import torch
 
 from tandem.rollout.base import Completion, Samples
 from tandem.train.batch import make_micro_batches
-from tandem.train.policy import token_logprobs
+from tandem.train.logprobs import token_logprobs
 
 
 def _model(kind: str):
@@ -77,11 +77,12 @@ def test_no_repeated_prompt_means_no_shared_layout():
 def test_only_tested_architectures_share_prompts():
     from transformers import MistralConfig, MistralForCausalLM
 
-    from tandem.train.policy import shares_prompts
+    from tandem.train.logprobs import shares_prompts
 
     assert shares_prompts(_model("qwen2")) and shares_prompts(_model("llama"))
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                               num_key_value_heads=2, intermediate_size=64, sliding_window=8))
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                               sliding_window=8))
     assert not shares_prompts(mistral)
 
 

@@ -7,14 +7,16 @@ import torch
 from tandem.config import AlgoConfig, OldLogprobs, OptimConfig
 from tandem.rollout.base import Completion, Samples
 from tandem.train.batch import make_micro_batches
-from tandem.train.policy import Policy, token_logprobs
+from tandem.train.logprobs import token_logprobs
+from tandem.train.policy import Policy
 
 
 def _batch(policy: Policy, shift: float):
     """Completions whose sampler logprobs are the current policy's minus `shift`: a sampler that was behind."""
     g = torch.Generator().manual_seed(0)
-    comps = [Completion(torch.randint(5, 200, (4,), generator=g).tolist(), torch.randint(5, 200, (3,), generator=g).tolist(),
-                        [0.0] * 3, "", "stop", i // 4) for i in range(8)]
+    comps = [Completion(torch.randint(5, 200, (4,), generator=g).tolist(),
+                        torch.randint(5, 200, (3,), generator=g).tolist(), [0.0] * 3, "", "stop", i // 4)
+             for i in range(8)]
     mbs = make_micro_batches(Samples.of_call(comps), 4096, 0)
     with torch.no_grad():
         for mb in mbs:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from conftest import free_port

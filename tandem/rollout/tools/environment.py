@@ -1,4 +1,4 @@
-"""The "tools" environment: a turn that ends with `<TAG>call</TAG>` calls that tool, and `<result>...</result>` answers."""
+"""The "tools" environment: a turn ending in `<TAG>call</TAG>` calls that tool, and `<result>...</result>` answers."""
 from __future__ import annotations
 
 import inspect
@@ -80,9 +80,9 @@ def tools_environment(tools: Sequence[str] = ("calculator",), max_output_chars: 
     """The "tools" environment over `tools` (registered names or plugin factories "module:function").
 
     `tags` renames a tool's tag (`{"calculator": "tool"}`: called as `<tool>...</tool>`), e.g. to match the format a
-    model was fine-tuned with. `tool_kwargs` reach the tools: a kwarg named after a tool with a dict value is that tool's own
-    (`python={"wall_s": 2}`); any other goes to each tool whose factory takes it (`wall_s=2`), and one that no tool
-    takes is refused. `tool_timeout_s` bounds each call of a tool that does not bound itself (plugins)."""
+    model was fine-tuned with. `tool_kwargs` reach the tools: a kwarg named after a tool with a dict value is that
+    tool's own (`python={"wall_s": 2}`); any other goes to each tool whose factory takes it (`wall_s=2`), and one
+    that no tool takes is refused. `tool_timeout_s` bounds each call of a tool that does not bound itself (plugins)."""
     if isinstance(tools, str):
         tools = [tools]
     if not tools:

@@ -168,8 +168,9 @@ class Codec:
             return ("s" if t is set else "f", [enc(x) for x in v])
         if t in DICTS:
             return (DICTS[t], [y for k, x in v.items() for y in (enc(k), enc(x))])
-        if t is collections.defaultdict and (v.default_factory is None or
-                                             FACTORIES.get(getattr(v.default_factory, "__name__", "")) is v.default_factory):
+        if t is collections.defaultdict and (
+                v.default_factory is None
+                or FACTORIES.get(getattr(v.default_factory, "__name__", "")) is v.default_factory):
             name = None if v.default_factory is None else v.default_factory.__name__
             return ("DD", name, [y for k, x in v.items() for y in (enc(k), enc(x))])
         if t is collections.deque:

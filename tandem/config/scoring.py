@@ -1,0 +1,52 @@
+"""The config's `rewards`, `reward_pool` and `eval` sections: what scores a completion, the pool that runs the
+scoring with time limits, and how held-out prompts are evaluated."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from tandem.config.base import Section
+
+
+class RewardSpec(Section):
+    name: str = Field(
+        description="A registered reward (e.g. `arithmetic_exact`, `gsm8k`) or a plugin `module:function`.",
+    )
+    weight: float = Field(1.0, description="Weight in the summed reward.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
+
+
+class RewardPoolConfig(Section):
+    timeout_s: float = Field(
+        10.0, gt=0.0, description="Time limit of one reward call in the pool; a call past it scores 0 and is counted "
+        "(reward/errors/<name>/timeout). A batched function's one call covers its batch.",
+    )
+    workers: int | None = Field(
+        None, ge=0, description="Reward worker processes; None = one per core (at most 4); 0 = run every reward in "
+        "the trainer process, without per-call time limits. Inline rewards (cheap built-ins) never use the pool.",
+    )
+    step_budget_s: float = Field(
+        300.0, gt=0.0, description="Time for scoring one batch (a step's samples, or an evaluation's). When it runs "
+        "out, the calls in flight are killed and every sample not scored yet scores 0, counted as "
+        "reward/errors/<name>/budget; time/reward_budget_used is the share a step used. Inline rewards run first "
+        "and are never interrupted, only not started. 300 s is far above what working rewards take (the demo's 256 "
+        "samples score in well under a second) and far below the 21 minutes a reward that hangs on every sample "
+        "would cost a demo-sized step (256 x timeout_s / 2 workers).",
+    )
+    max_error_rate: float = Field(
+        0.5, ge=0.0, le=1.0, description="Stop the run when a reward fails (any kind, budget included) on more than "
+        "this fraction of the samples of the steps so far, the last 3 at most; the error names the reward, its rate "
+        "and its last error. reward/error_rate/<name> is each step's fraction. So step 1 is judged alone: a reward "
+        "that cannot work (an import error, a missing row field, a hang) fails on ~100% from step 1 and stops the "
+        "run there, before it trains on zeros. Later, one bad step among good ones passes (a step failing "
+        "everywhere after one clean step is 50% of two steps, not above 0.5) and a second in a row stops the run; a "
+        "few bad rows or timeouts are a few percent. 1 = never stop. Evaluation does not count.",
+    )
+
+
+class EvalConfig(Section):
+    k: int = Field(
+        1, ge=1, description="Samples per prompt for pass@k and mean@k (unbiased estimator); 1 = greedy only.",
+    )
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for pass@k.")

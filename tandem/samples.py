@@ -1,0 +1,96 @@
+"""What sampling hands to training: each sampled answer (`Completion`) and a step's answers with the group (prompt)
+each belongs to (`Samples`). Engines make them, trainers read them, so neither package owns them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Completion:
+    """One sampled answer. Token ids are the truth: training never re-tokenizes `text`."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # sampler's logprob of each completion token (len == len(completion_ids))
+    text: str
+    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    prompt_index: int  # index into the prompts passed to this engine's generate(); never rewritten afterwards
+    meta: dict = field(default_factory=dict)
+    # Multi-turn (tandem.rollout.multiturn): 1 per completion token the policy sampled, 0 per token the environment
+    # appended (a tool's output; its `logprobs` entry is 0.0). None: every token was sampled.
+    loss_mask: list[int] | None = None
+    # Mixture of experts (hf engine): [positions, MoE layers, top_k] the experts each router sent each position of
+    # prompt_ids + completion_ids to, for every position but the last (whose output nothing uses), in
+    # `tandem.moe.route_dtype`; positions past its end (an environment's last tokens) have none. None: not recorded.
+    routes: torch.Tensor | None = None
+    # Streaming (placement.schedule: stream): the policy version that sampled each completion token (its weights may
+    # change mid-sequence). None: every token was sampled by the rollout's version.
+    versions: list[int] | None = None
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Completion tokens the policy sampled (all of them, unless an environment appended some)."""
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class Samples:
+    """A step's completions and the group each belongs to: `group[i]` (in 0..num_groups-1) is the prompt that
+    completion i answers, so the completions of one prompt form a group. Assigned once, where the prompts of a
+    generate call are known; `concat` and `select` keep it right, so nothing downstream renumbers it."""
+
+    completions: list[Completion]
+    group: torch.Tensor  # [N] long
+    num_groups: int  # the prompts these completions were sampled for (a group may have lost its rows to `select`)
+
+    def __post_init__(self) -> None:
+        self.group = torch.as_tensor(self.group, dtype=torch.long).view(-1)
+        if len(self.group) != len(self.completions):
+            raise ValueError(f"Samples: {len(self.group)} group ids for {len(self.completions)} completions")
+
+    @classmethod
+    def of_call(cls, completions: list[Completion], num_prompts: int | None = None) -> "Samples":
+        """The completions of one generate call: each one's group is its `prompt_index` (default: as many prompts
+        as the highest index shows)."""
+        group = [c.prompt_index for c in completions]
+        return cls(completions, group, max(group, default=-1) + 1 if num_prompts is None else num_prompts)
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        """[N] completion tokens of each row."""
+        return torch.tensor([len(c.completion_ids) for c in self.completions], dtype=torch.long)
+
+    @property
+    def sampled_lengths(self) -> torch.Tensor:
+        """[N] completion tokens of each row the policy sampled: what it is trained on (`Completion.loss_mask`)."""
+        return torch.tensor([c.sampled_tokens for c in self.completions], dtype=torch.long)
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        """Prompt plus completion tokens of each row (what a row costs a trainer)."""
+        return [len(c.prompt_ids) + len(c.completion_ids) for c in self.completions]
+
+    @property
+    def truncated(self) -> torch.Tensor:
+        """[N] bool: the row stopped at the length limit."""
+        return torch.tensor([c.truncated for c in self.completions], dtype=torch.bool)
+
+    def concat(self, other: "Samples") -> "Samples":
+        """These rows, then `other`'s, whose groups follow this one's (another generate call's prompts)."""
+        return Samples(self.completions + other.completions, torch.cat([self.group, other.group + self.num_groups]),
+                       self.num_groups + other.num_groups)
+
+    def select(self, rows: list[int]) -> "Samples":
+        """These rows, in this order; the groups they belong to renumbered 0..k-1 in order of first appearance."""
+        kept = self.group[rows].tolist()
+        number = {g: i for i, g in enumerate(dict.fromkeys(kept))}
+        return Samples([self.completions[i] for i in rows], [number[g] for g in kept], len(number))
