@@ -18,7 +18,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.architectures import STREAMED, SUPPORT, support_table  # noqa: E402
+from tandem.architectures import SUPPORT, support_table  # noqa: E402
 from tandem.cli import build_parser  # noqa: E402
 from tandem.config import config_reference  # noqa: E402
 from tandem.run.metric_names import GROUPS, PLACEHOLDERS  # noqa: E402
@@ -97,7 +97,7 @@ def architectures_block() -> str:
     for kind, s in SUPPORT.items():
         parameters = ", ".join(f"`{p}`" for p in s.lora_parameters) or "none"
         out.append(f"| `{kind}` | {', '.join(f'`{m}`' for m in s.lora)} | {parameters} | "
-                   f"{'yes' if s.experts else 'no'} | {'yes' if kind in STREAMED else 'no'} |")
+                   f"{'yes' if s.experts else 'no'} | yes |")
     return "\n".join(out)
 
 

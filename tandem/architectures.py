@@ -98,11 +98,8 @@ def check_supported(cfg) -> None:
         raise ConfigError(f"algo.router_replay: true, but model.path is {what}: it has no routers tandem can replay "
                           f"(those of {', '.join(s.name for s in SUPPORT.values() if s.experts)}); set "
                           "algo.router_replay: false")
-    if pl.schedule == "stream" and kind not in STREAMED:
-        name = known.name if known else "an architecture outside the model zoo"
-        raise ConfigError(f"placement.schedule: stream decodes with the hf engine's continuous batching, built for "
-                          f"{', '.join(STREAMED)} layers; model.path is {name} ({kind!r}): use "
-                          "placement.schedule: async")
+    if pl.schedule == "stream":
+        _check_stream(cfg, kind, known)
     if known is None:
         if wants:
             raise ConfigError(
@@ -116,8 +113,28 @@ def check_supported(cfg) -> None:
         _check_expert_parallel(cfg.model.path, pl.expert_parallel, kind, known)
 
 
-# The architectures the hf engine's streaming schedule is tested with (tests/rollout/test_stream.py).
-STREAMED = ("qwen2", "llama")
+def sliding_window_layers(config: dict) -> bool:
+    """Whether a model's config (config.json as a dict) has layers that attend to a window of the last positions only:
+    `layer_types` naming any other than full attention, or a `sliding_window` set (Mistral's, Mixtral's, Phi-3's)."""
+    config = config.get("text_config", config)
+    types = config.get("layer_types") or []
+    return config.get("sliding_window") is not None or any(t != "full_attention" for t in types)
+
+
+def _check_stream(cfg, kind: str, known: Support | None) -> None:
+    """What the hf engine's streaming decoder (tandem.rollout.stream) runs: every architecture of the zoo whose
+    layers all attend to every position (tests/rollout/test_stream.py carries a request across a weight update in
+    each); a sliding window's cache keeps only its last positions, which the decoder's padded rows cannot follow."""
+    if known is None:
+        raise ConfigError(f"placement.schedule: stream is tested with the model zoo's architectures "
+                          f"({', '.join(sorted(SUPPORT))}); model.path is {kind!r}: use placement.schedule: async")
+    if sliding_window_layers(read_json(Path(cfg.model.path).expanduser() / "config.json")):
+        raise ConfigError(f"placement.schedule: stream: model.path ({known.name}) has sliding-window attention layers "
+                          "(config.json's sliding_window or layer_types), which the hf engine's streaming decoder "
+                          "cannot hold; use placement.schedule: async")
+    if cfg.algo.router_replay:
+        raise ConfigError("placement.schedule: stream does not record the experts each sampled token went to, which "
+                          "algo.router_replay replays; set algo.router_replay: false, or use placement.schedule: async")
 
 
 # Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints

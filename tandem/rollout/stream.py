@@ -8,7 +8,7 @@ from typing import Hashable
 
 import torch
 
-from tandem.architectures import STREAMED
+from tandem.architectures import SUPPORT, sliding_window_layers
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine, _draw, uniforms
 
@@ -46,11 +46,9 @@ class Finished:
 
 
 def streams(model) -> bool:
-    """Whether the hf engine streams this model: an architecture of `STREAMED` (those the streaming schedule is tested
-    with) whose layers all attend to every position (a sliding window's cache keeps only its last positions, which a
-    slot's left-padded cache cannot follow)."""
-    cfg = model.config
-    return cfg.model_type in STREAMED and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or []))
+    """Whether the hf engine streams this model: an architecture of the zoo whose layers all attend to every position
+    (tandem.architectures' `_check_stream` says why, before any model loads)."""
+    return model.config.model_type in SUPPORT and not sliding_window_layers(model.config.to_dict())
 
 
 FILL_PADDING = 1.25  # SlotDecoder.fill: the most padded positions a prefill batch may run per real one
@@ -180,8 +178,8 @@ class HFStream:
 
     def __init__(self, engine: HFEngine, sampling: Sampling, slots: int):
         if not streams(engine.model):
-            raise ValueError(f"the hf engine streams {', '.join(STREAMED)} models with full attention in every layer, "
-                             f"not this {engine.model.config.model_type!r}; use placement.schedule: async")
+            raise ValueError(f"the hf engine streams the model zoo's architectures with full attention in every "
+                             f"layer, not this {engine.model.config.model_type!r}; use placement.schedule: async")
         self.engine, self.sampling = engine, sampling
         self.decoder = SlotDecoder(engine.model, slots)
         self.waiting: deque[Request] = deque()

@@ -117,6 +117,31 @@ def test_every_zoo_architecture_passes_every_placement_and_one_outside_it_is_ref
         check_supported(zoo_config(other, tmp_path, "rollout.engine=vllm"))
 
 
+def test_the_stream_schedule_takes_every_zoo_architecture_and_refuses_what_it_cannot_decode(zoo, tmp_path):
+    """placement.schedule: stream (the hf engine's streaming decoder, tests/rollout/test_stream.py) for every zoo
+    architecture; refused before any model loads: a checkpoint with sliding-window layers, an architecture outside
+    the zoo, router replay (the stream records no routes)."""
+    stream = ("placement.schedule=stream",)
+    for arch in (a for a in SUPPORT if a in zoo):
+        check_supported(zoo_config(zoo[arch], tmp_path, *stream))
+    for arch, change in (("mistral", {"sliding_window": 4096}), ("qwen3", {"layer_types": ["sliding_attention"] * 2})):
+        config = json.loads((zoo[arch] / "config.json").read_text())
+        windowed = tmp_path / f"{arch}-windowed"
+        windowed.mkdir()
+        (windowed / "config.json").write_text(json.dumps(dict(config, **change)))
+        with pytest.raises(ConfigError, match=r"placement\.schedule: stream: model\.path \(.*\) has sliding-window "
+                                              "attention layers"):
+            check_supported(zoo_config(windowed, tmp_path, *stream))
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((zoo["llama"] / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, model_type="gpt_neox")))
+    with pytest.raises(ConfigError, match=r"stream is tested with the model zoo's architectures .*'gpt_neox'"):
+        check_supported(zoo_config(other, tmp_path, *stream))
+    with pytest.raises(ConfigError, match="does not record the experts each sampled token went to"):
+        check_supported(zoo_config(zoo["qwen3_moe"], tmp_path, *stream, "algo.router_replay=true"))
+
+
 def test_expert_parallel_is_refused_before_any_model_loads_where_the_experts_cannot_be_split(zoo, tmp_path):
     """placement.expert_parallel needs a mixture of experts whose expert count it divides (read from config.json:
     qwen3_moe's num_experts, mixtral's num_local_experts, 4 in the zoo)."""
