@@ -1,6 +1,6 @@
 """Split placement on a long-tailed workload: sync, async and streaming schedules, in trained tokens per second.
 
-    .venv/bin/python bench/bench_stream.py [--steps 16] [--warmup 3] [--modes sync async stream stream-drained]
+    .venv/bin/python bench/bench_stream.py [--engine hf|vllm] [--steps 16] [--warmup 3] [--modes sync async ...]
 
 One GRPO run per mode, each in this process, the same everything but `placement.schedule` (and, for
 `stream-drained`, `rollout.in_flight_weights: false`): 1 trainer + 1 sampler as Ray actors, 1 CPU and 1 torch thread
@@ -8,7 +8,8 @@ each, on a randomly initialised Qwen2 of ~55 M parameters (hidden 512, 14 layers
 well beyond the processor's caches), built here in a temporary folder with the demo's tokenizer. The prompts are the
 demo task's questions, in a jsonl file written here whose rows carry their own `max_new_tokens`: 85% of prompts get
 SHORT tokens, 15% eight times that, with EOS ignored, so every completion's length is fixed by its prompt; every mode
-sees the same prompts in the same order with the same lengths. The reward (exact match) is about 0 for a random
+sees the same prompts in the same order with the same lengths. `--engine vllm`: the sampler is vLLM in process
+(`VLLMStream` under the stream modes) instead of the embedded engine. The reward (exact match) is about 0 for a random
 model: what is measured is the machinery, not learning.
 
 `placement.max_staleness` is the same for every mode (4: a long completion spans several updates under streaming).
@@ -108,6 +109,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (start-up, first syncs)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="the sampler's engine (rollout.engine)")
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = p.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -122,12 +124,13 @@ def main() -> None:
         write_prompts(data)
         for mode in args.modes:
             t0 = time.perf_counter()
-            hist = run(mode, args.steps, Path(tmp) / mode, str(model), data, args.overrides)
+            hist = run(mode, args.steps, Path(tmp) / mode, str(model), data,
+                       [f"rollout.engine={args.engine}", *args.overrides])
             rows[mode] = dict(summarize(hist, args.warmup), **{"wall s": time.perf_counter() - t0})
-    print(f"\nsplit placement, 1 trainer + 1 sampler (1 CPU, 1 torch thread each), Qwen2 {params / 1e6:.1f} M "
-          f"parameters fp32, {PROMPTS} prompts x {GROUP} per step, completions {SHORT} or {8 * SHORT} tokens "
-          f"({LONG_EVERY:.0%} long), max_staleness 4, stream: {IN_FLIGHT} requests in flight, {args.steps} steps, "
-          f"timing steps > {args.warmup}")
+    print(f"\nsplit placement, {args.engine} engine, 1 trainer + 1 sampler (1 CPU, 1 torch thread each), Qwen2 "
+          f"{params / 1e6:.1f} M parameters fp32, {PROMPTS} prompts x {GROUP} per step, completions {SHORT} or "
+          f"{8 * SHORT} tokens ({LONG_EVERY:.0%} long), max_staleness 4, stream: {IN_FLIGHT} requests in flight, "
+          f"{args.steps} steps, timing steps > {args.warmup}")
     print(f"fp32 matmul rate at 1 thread: {rate:.1f} GFLOP/s; {os.cpu_count()} cores; load "
           f"{os.getloadavg()[0]:.2f} (1 min) at the end")
     cols = list(next(iter(rows.values())))

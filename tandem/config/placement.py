@@ -43,13 +43,13 @@ class PlacementConfig(Section):
         "next batches while the trainers train, at most `max_staleness` policy versions behind; the loss corrects "
         "for it with the sampler's logprobs: they are the clipped ratio's old policy, or with algo.tis_cap (or "
         "algo.is_mask) the trainer recomputes that one and the importance weight pi_old / pi_sampler corrects the "
-        "staleness. `stream` (split, or one process; the hf engine, the model zoo's architectures without "
-        "sliding-window layers): each sampler keeps rollout.max_in_flight requests decoding and starts new ones as "
-        "others stop, across step boundaries; a step trains as soon as batch.prompts_per_step groups have finished "
-        "(scored as they arrive), new weights land "
-        "between decode steps (rollout.in_flight_weights) and the staleness bound holds per token "
-        "(rollout.partial). The same loss correction as async. In one process the stream decodes only while the "
-        "step waits for groups: it carries requests across updates but overlaps nothing.",
+        "staleness. `stream` (split, or one process; the hf engine, or vLLM in process; the model zoo's "
+        "architectures without sliding-window layers): each sampler keeps rollout.max_in_flight requests decoding "
+        "and starts new ones as others stop, across step boundaries; a step trains as soon as "
+        "batch.prompts_per_step groups have finished (scored as they arrive), new weights land between decode steps "
+        "(rollout.in_flight_weights) and the staleness bound holds per token (rollout.partial). The same loss "
+        "correction as async. In one process the stream decodes only while the step waits for groups: it carries "
+        "requests across updates but overlaps nothing.",
     )
     max_staleness: int = Field(
         1, ge=1, description="async: how many batches the samplers work ahead of the one being trained, and so the "

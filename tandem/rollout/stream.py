@@ -208,6 +208,12 @@ class HFStream:
             self._leave(key)
         self.waiting = deque(r for r in self.waiting if r.key != key)
 
+    def suspend(self) -> None:
+        """Nothing to do around the engine's own `generate`: it keeps a cache of its own (`VLLMStream.suspend`)."""
+
+    def resume(self) -> None:
+        """See `suspend`."""
+
     @torch.inference_mode()
     def reload(self) -> None:
         """The engine's weights changed: decode with the new ones and prefill every running prefix again."""

@@ -107,6 +107,7 @@ class HybridWorker:
             stream.weights_changed(self.version)
         while not stream.outbox and time.perf_counter() < deadline and stream.step():
             pass
+        stream.suspend()  # the engine, between takes, evaluates, loads weights and sleeps with no request of ours
         return stream.take()
 
     def prepare(self, samples: Samples):

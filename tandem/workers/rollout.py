@@ -118,7 +118,8 @@ class RolloutWorker:
             if staged is not None:
                 self._load(staged)
             loaded = time.perf_counter()
-            comps = self.sample(prompts, sampling)
+            with self._stream.suspended() if self._stream is not None else contextlib.nullcontext():
+                comps = self.sample(prompts, sampling)
         idle = ready - self._last_end
         self._last_end = time.perf_counter()
         return Rollout(Samples.of_call(comps, len(prompts)), self.version, self._last_end - loaded, idle,

@@ -2,14 +2,18 @@
 whole when its last request stops, the staleness bound kept per token as new weights land."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 from tandem.config import Config
 from tandem.rollout import Completion, Sampling
+from tandem.rollout.hf import HFEngine
 from tandem.rollout.stream import Finished, HFStream, Request
+from tandem.rollout.vllm.stream import VLLMStream
 
 log = logging.getLogger("tandem.stream")
 DROP_RESTARTS = 8  # rollout.partial: drop: a request begun again this many times stops the run (it cannot finish)
@@ -42,9 +46,16 @@ class StreamReport:
     version: int  # the policy version the engine holds now
 
 
+def session(engine, sampling: Sampling, slots: int) -> HFStream | VLLMStream:
+    """The streaming session of `engine`: the hf engine's slot decoder, or the in-process vLLM engine's scheduler."""
+    if isinstance(engine, HFEngine):
+        return HFStream(engine, sampling, slots)
+    return VLLMStream(engine, sampling, slots)
+
+
 class StreamSampler:
-    """Keeps up to `rollout.max_in_flight` requests decoding on one engine (`HFStream`), adding the requests of new
-    groups as slots free up; a group leaves whole, once all its `n` requests have stopped.
+    """Keeps up to `rollout.max_in_flight` requests decoding on one engine (`HFStream`, `VLLMStream`), adding the
+    requests of new groups as slots free up; a group leaves whole, once all its `n` requests have stopped.
 
     New weights (`weights_changed`) land between two decode steps: the requests in flight keep their tokens (each
     tagged with the version that sampled it) and go on under the new weights, their prefixes prefilled again. With
@@ -59,7 +70,7 @@ class StreamSampler:
         r, pl = cfg.rollout, cfg.placement
         self.slots = r.max_in_flight or cfg.batch.prompts_per_step * cfg.batch.group_size
         self.max_staleness, self.drop = pl.max_staleness, r.partial == "drop"
-        self.session: HFStream | None = None
+        self.session: HFStream | VLLMStream | None = None
         self.groups: dict[int, tuple[StreamGroup, dict[int, Completion]]] = {}
         self.outbox: list[tuple[int, list[Completion]]] = []
         self.version = 0
@@ -73,7 +84,7 @@ class StreamSampler:
     def add(self, groups: list[StreamGroup], sampling: Sampling) -> None:
         with self.lock:
             if self.session is None:
-                self.session = HFStream(self.engine, sampling, self.slots)
+                self.session = session(self.engine, sampling, self.slots)
             for g in groups:
                 self.groups[g.serial] = (g, {})
                 for i in range(g.n):
@@ -115,6 +126,27 @@ class StreamSampler:
         if len(done) == spec.n:
             del self.groups[serial]
             self.outbox.append((serial, [done[k] for k in range(spec.n)]))
+
+    def suspend(self) -> None:
+        """The engine free for other callers until the next `step` (`VLLMStream.suspend`: its requests out of vLLM's
+        scheduler, their tokens kept)."""
+        with self.lock:
+            if self.session is not None:
+                self.session.suspend()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The engine to a caller's own `generate` (an evaluation) between two decode steps; the requests in flight
+        go on afterwards."""
+        with self.lock:
+            if self.session is None:
+                yield
+                return
+            self.session.suspend()
+            try:
+                yield
+            finally:
+                self.session.resume()
 
     def weights_changed(self, version: int, load_seconds: float = 0.0) -> None:
         """The engine now holds policy `version`: the requests in flight go on under it (prefixes prefilled again);

@@ -137,6 +137,18 @@ def test_a_setting_that_would_do_nothing_or_names_no_tracker_is_refused(override
                               if k in ("max_in_flight", "partial", "in_flight_weights")]).placement.schedule == "sync"
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["placement.backend=ray", "placement.mode=colocate"], "stream runs in split placement or in one process"),
+    (["rollout.engine=vllm", "rollout.vllm.mode=server"], r"stream with vLLM needs rollout\.vllm\.mode: inprocess"),
+    (["env.name=tools"], "stream samples single turns for now"),
+])
+def test_the_stream_schedule_is_refused_where_it_cannot_run(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["placement.schedule=stream", *overrides])
+    # vLLM in process streams (tests/rollout/test_vllm_engine.py)
+    assert load_config(None, ["placement.schedule=stream", "rollout.engine=vllm"]).rollout.vllm.mode == "inprocess"
+
+
 def test_a_report_to_of_the_wrong_type_exits_2_naming_the_field(capsys):
     from tandem.cli import main
 

@@ -238,6 +238,65 @@ def test_tied_embedding_update(engine, hf, base, name):
     assert_matches_hf(engine, hf, PROMPTS, greedy())
 
 
+def _stream_across_an_update(engine, hf, base, carry: bool) -> list:
+    """Three requests on a vLLM stream of two slots; after 4 steps new weights land (`carry`: the stream told, as
+    StreamSampler does, so its requests are resubmitted from their prefixes); the finished requests."""
+    from tandem.rollout.stream import Request
+    from tandem.rollout.vllm.stream import VLLMStream
+
+    stream = VLLMStream(engine, Sampling(n=1, temperature=0.8, max_new_tokens=12, ignore_eos=True), slots=2)
+    for i, p in enumerate(PROMPTS):
+        stream.add(Request(i, p, 12, seed=i))
+    done = []
+    for _ in range(4):
+        done += stream.step(0)
+    new = perturbed(base, [n for n in base if n != "lm_head.weight"], scale=0.3)
+    engine.load_weights(new.items())
+    hf.load_state_dict(new, strict=False)
+    if carry:
+        stream.reload()
+    while stream.in_flight:
+        done += stream.step(1)
+    return sorted((f.request for f in done), key=lambda r: r.key)
+
+
+def test_a_stream_carries_its_requests_across_a_weight_update_exactly(engine, hf, base):
+    """placement.schedule: stream with vLLM: a request running when weights land is aborted and resubmitted with its
+    tokens so far, so the tokens it samples next have the new weights' logprobs over the whole sequence (what the
+    trainer computes, within float32's 1e-5); the third request waits for a slot and runs under the new weights."""
+    requests = _stream_across_an_update(engine, hf, base, carry=True)
+    assert [(r.key, len(r.tokens)) for r in requests] == [(0, 12), (1, 12), (2, 12)]
+    assert [r.versions for r in requests] == [[0] * 4 + [1] * 8] * 2 + [[1] * 12]
+    for r in requests:
+        after = torch.tensor(r.versions) == 1
+        fresh = hf_logprobs(hf, r.prompt_ids, r.tokens, 0.8)
+        assert (fresh[after] - torch.tensor(r.logprobs)[after]).abs().max() < 1e-5, r.key
+    # and the stream goes on after an evaluation's generate takes the engine between two steps
+    from tandem.rollout.stream import Request
+    from tandem.rollout.vllm.stream import VLLMStream
+
+    stream = VLLMStream(engine, Sampling(n=1, temperature=0.8, max_new_tokens=6, ignore_eos=True), slots=2)
+    stream.add(Request("a", PROMPTS[0], 6, seed=0))
+    first = stream.step(0)
+    stream.suspend()
+    assert len(engine.generate(PROMPTS, greedy(3))) == len(PROMPTS)
+    stream.resume()
+    while stream.in_flight:
+        first += stream.step(0)
+    (r,) = [f.request for f in first]
+    assert len(r.tokens) == 6
+    assert (hf_logprobs(hf, r.prompt_ids, r.tokens, 0.8) - torch.tensor(r.logprobs)).abs().max() < 1e-5
+
+
+def test_without_a_resubmission_the_stale_cache_would_show(engine, hf, base):
+    """The check above can fail: requests left running on the old weights' keys and values sample tokens whose
+    logprobs are not the new weights'."""
+    requests = _stream_across_an_update(engine, hf, base, carry=False)
+    worst = max(float((hf_logprobs(hf, r.prompt_ids, r.tokens, 0.8) - torch.tensor(r.logprobs))[
+        torch.tensor(r.versions) == 1].abs().max()) for r in requests[:2])
+    assert worst > 1e-3
+
+
 def test_prefix_cache_never_serves_stale_weights(engine, hf, base):
     g = torch.Generator().manual_seed(3)
     long_prompt = torch.randint(0, 380, (600,), generator=g).tolist()
