@@ -43,8 +43,9 @@ IN_FLIGHT = 32  # rollout.max_in_flight: the stream's requests decoding at once 
 MODES = {
     "sync": ["placement.schedule=sync"],
     "async": ["placement.schedule=async"],
-    "stream": ["placement.schedule=stream"],
-    "stream-drained": ["placement.schedule=stream", "rollout.in_flight_weights=false"],
+    "stream": ["placement.schedule=stream", f"rollout.max_in_flight={IN_FLIGHT}"],
+    "stream-drained": ["placement.schedule=stream", f"rollout.max_in_flight={IN_FLIGHT}",
+                       "rollout.in_flight_weights=false"],
 }
 
 
@@ -78,7 +79,6 @@ def run(mode: str, steps: int, out: Path, model: str, data: Path, extra: list[st
         "batch.micro_batch_tokens=1024", "optim.lr=1e-5", "rewards=[{name: arithmetic_exact}]",
         "placement.mode=split", "placement.backend=ray", "placement.train_workers=1",
         "placement.rollout_workers=1", "placement.cpus_per_worker=1", "placement.max_staleness=4",
-        f"rollout.max_in_flight={IN_FLIGHT}",
         "reward_pool.workers=0", "eval.k=1", "run.seed=0", *MODES[mode], *extra])
     train(cfg)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
