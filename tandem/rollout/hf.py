@@ -118,10 +118,12 @@ class HFEngine:
                              "(Sampling.max_tokens is one per prompt)")
         n, dev = sampling.n, self.device
         seeds = sampling.seeds or (self.seed if sampling.seed is None else sampling.seed,)
+        rows = [p for p in prompts for _ in range(n)]
+        B = len(rows)
+        limits = torch.tensor([sampling.limit(i // n) for i in range(B)], device=dev)
+        most = int(limits.max())
         with self._routes_record() as record:  # the experts each position went to (MoE models only)
-            logits, next_pos, step = self._prefill(prompts, n, max(map(sampling.limit, range(len(prompts)))))
-            rows = [p for p in prompts for _ in range(n)]
-            B = len(rows)
+            logits, next_pos, step = self._prefill(prompts, n, most)
             stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))
             stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
             alive = torch.ones(B, dtype=torch.bool, device=dev)  # rows still sampling (a finished one feeds padding)
@@ -129,9 +131,7 @@ class HFEngine:
             tokens: list[torch.Tensor] = []
             logps: list[torch.Tensor] = []
             texts: list[str | None] = [None] * B
-            limits = torch.tensor([sampling.limit(i // n) for i in range(B)], device=dev)
             capped = torch.zeros(B, dtype=torch.bool, device=dev)  # stopped at their own limit, below max_new_tokens
-            most = int(limits.max())
             draws = None
             if sampling.temperature > 0:
                 gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]

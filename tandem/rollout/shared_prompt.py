@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.architectures import sliding_window_layers
+
 _DECODED = ("qwen2", "llama")  # the decoder layers `SharedPromptDecoder.step` reproduces
 
 
@@ -20,7 +22,7 @@ def shares(model, n: int) -> bool:
     cfg = model.config
     if cfg.model_type not in _DECODED or next(model.parameters()).device.type != "cpu" or n < 2:
         return False
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+    if sliding_window_layers(cfg.to_dict()):
         return False  # a sliding-window layer's mask is not this one
     return getattr(cfg, "pretraining_tp", 1) == 1
 

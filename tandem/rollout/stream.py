@@ -167,28 +167,15 @@ class SlotDecoder:
                           past_key_values=self.cache, use_cache=True).logits[:, -1]
 
 
-class HFStream:
-    """The hf engine's continuous batching: up to `slots` requests decode together, one token each per `step`; a
-    request joins at the next step after `add` (its prefix prefilled into a free slot) and leaves when it stops.
+class StreamRequests:
+    """What every engine's streaming session keeps: the requests waiting for a slot and those running, by key.
+    `admitting = False` holds new requests back (the sampler drains before a weight load that must not land
+    mid-sequence)."""
 
-    `reload(version)` after the engine's weights change: every running request's prefix is prefilled again with the
-    new weights, so the tokens it samples next come from exactly the new policy (the trainer's logprobs of them
-    agree with the sampler's), while the tokens before keep the version that sampled them. `admitting = False`
-    holds new requests back (the sampler drains before a weight load that must not land mid-sequence)."""
-
-    def __init__(self, engine: HFEngine, sampling: Sampling, slots: int):
-        if not streams(engine.model):
-            raise ValueError(f"the hf engine streams the model zoo's architectures with full attention in every "
-                             f"layer, not this {engine.model.config.model_type!r}; use placement.schedule: async")
-        self.engine, self.sampling = engine, sampling
-        self.decoder = SlotDecoder(engine.model, slots)
+    def __init__(self) -> None:
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
-        self.draws: dict[Hashable, list[float]] = {}  # each running request's uniforms, one per token (`_draw`)
-        self.logits: torch.Tensor | None = None  # [rows, V]: each running row's next-token logits, in slot order
         self.admitting = True
-        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(engine.eos_ids))
-        self.stop_ids = stops
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -201,12 +188,37 @@ class HFStream:
     def requests(self) -> list[Request]:
         return list(self.running.values()) + list(self.waiting)
 
+    def _unqueue(self, key: Hashable) -> None:
+        """`key` out of the requests waiting, if it is there."""
+        self.waiting = deque(r for r in self.waiting if r.key != key)
+
+
+class HFStream(StreamRequests):
+    """The hf engine's continuous batching: up to `slots` requests decode together, one token each per `step`; a
+    request joins at the next step after `add` (its prefix prefilled into a free slot) and leaves when it stops.
+
+    `reload(version)` after the engine's weights change: every running request's prefix is prefilled again with the
+    new weights, so the tokens it samples next come from exactly the new policy (the trainer's logprobs of them
+    agree with the sampler's), while the tokens before keep the version that sampled them."""
+
+    def __init__(self, engine: HFEngine, sampling: Sampling, slots: int):
+        super().__init__()
+        if not streams(engine.model):
+            raise ValueError(f"the hf engine streams the model zoo's architectures with full attention in every "
+                             f"layer, not this {engine.model.config.model_type!r}; use placement.schedule: async")
+        self.engine, self.sampling = engine, sampling
+        self.decoder = SlotDecoder(engine.model, slots)
+        self.draws: dict[Hashable, list[float]] = {}  # each running request's uniforms, one per token (`_draw`)
+        self.logits: torch.Tensor | None = None  # [rows, V]: each running row's next-token logits, in slot order
+        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(engine.eos_ids))
+        self.stop_ids = stops
+
     @torch.inference_mode()
     def discard(self, key: Hashable) -> None:
         """Forget a request (running or waiting)."""
         if key in self.running:
             self._leave(key)
-        self.waiting = deque(r for r in self.waiting if r.key != key)
+        self._unqueue(key)
 
     def suspend(self) -> None:
         """Nothing to do around the engine's own `generate`: it keeps a cache of its own (`VLLMStream.suspend`)."""

@@ -3,15 +3,15 @@ landing with requests in flight (each one aborted and resubmitted with its token
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from typing import Hashable
 
 from tandem.rollout.base import Sampling
-from tandem.rollout.stream import Finished, Request
+from tandem.rollout.stream import Finished, Request, StreamRequests
+from tandem.rollout.vllm.engine import VLLMEngine
 from tandem.rollout.vllm.sampling import _engine_only_kwargs, _finish, _sampling_kwargs
 
 
-class VLLMStream:
+class VLLMStream(StreamRequests):
     """`tandem.rollout.stream.HFStream`'s session on a `VLLMEngine` (mode inprocess): up to `slots` requests in vLLM's
     scheduler at once, one `step` being one vLLM engine step (a token for each decoding request).
 
@@ -21,34 +21,21 @@ class VLLMStream:
     slime's and AReaL's partial rollouts do; the tokens before keep the version that sampled them. The other way,
     keeping the old weights' cache and correcting by importance weights (PipelineRL), leaves those logprobs apart."""
 
-    def __init__(self, engine, sampling: Sampling, slots: int):
-        if engine.__class__.__name__ != "VLLMEngine":
+    def __init__(self, engine: VLLMEngine, sampling: Sampling, slots: int):
+        if not isinstance(engine, VLLMEngine):
             raise ValueError("VLLMStream streams on the in-process vLLM engine (rollout.vllm.mode: inprocess)")
+        super().__init__()
         self.engine, self.sampling, self.slots = engine, sampling, slots
-        self.waiting: deque[Request] = deque()
-        self.running: dict[Hashable, Request] = {}
-        self.admitting = True
         self.suspended = False  # the running requests are out of vLLM's scheduler (`suspend`)
         self._submitted: dict[str, tuple[Hashable, int]] = {}  # vLLM request id -> (key, tokens it held then)
         self._ids = itertools.count()
-
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
-
-    @property
-    def in_flight(self) -> int:
-        """Requests running or waiting for a slot."""
-        return len(self.running) + len(self.waiting)
-
-    def requests(self) -> list[Request]:
-        return list(self.running.values()) + list(self.waiting)
 
     def discard(self, key: Hashable) -> None:
         """Forget a request (running or waiting)."""
         if key in self.running:
             self._abort([key])
             del self.running[key]
-        self.waiting = deque(r for r in self.waiting if r.key != key)
+        self._unqueue(key)
 
     def suspend(self) -> None:
         """Every running request out of vLLM's scheduler, its tokens kept (`reload` submits them again): the engine's
