@@ -94,7 +94,7 @@ def _data(cfg: Config) -> None:
 
 def _stream(cfg: Config) -> None:
     """What placement.schedule: stream runs on (so far): the hf engine or the in-process vLLM engine, split placement
-    or one process, single turns."""
+    or one process."""
     pl, r = cfg.placement, cfg.rollout
     if pl.mode == "colocate" and pl.backend == "ray":
         raise ConfigError("placement.schedule: stream runs in split placement or in one process "
@@ -104,9 +104,6 @@ def _stream(cfg: Config) -> None:
         raise ConfigError("placement.schedule: stream with vLLM needs rollout.vllm.mode: inprocess for now (a server's "
                           "in-flight weight loads are not built yet); use rollout.vllm.mode=inprocess, or "
                           "placement.schedule: async")
-    if cfg.env.name:
-        raise ConfigError("placement.schedule: stream samples single turns for now; env.name multi-turn "
-                          "conversations need placement.schedule: async or sync")
 
 
 def _stream_only_fields(cfg: Config) -> None:

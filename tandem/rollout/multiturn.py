@@ -22,7 +22,10 @@ class TurnLimits:
 
 
 @dataclass
-class _Conversation:
+class Conversation:
+    """One conversation so far: its completion ids (sampled and appended), their logprobs (0 where appended) and loss
+    mask (1 where sampled), and what the environment said of it."""
+
     prompt_index: int
     prompt: list[int]
     seed: int
@@ -43,6 +46,48 @@ class _Conversation:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.mask += [1 if logprobs is not None else 0] * len(ids)
 
+    @property
+    def prefix(self) -> list[int]:
+        """What the next turn continues: the prompt and every id since, never re-tokenized."""
+        return self.prompt + self.ids
+
+
+class Turns:
+    """How conversations take turns, for `converse` and the streaming schedule alike: each begins with its own
+    environment's opening, its turn t is sampled with seed `seed + _TURN_SEED_STRIDE * t` up to the tokens the
+    limits leave, and stops at the sampling's and the environment's stop strings (`stop`)."""
+
+    def __init__(self, tokenizer, sampling: Sampling, make_env: Callable[[], object], limits: TurnLimits):
+        self.tokenizer, self.sampling, self.make_env, self.limits = tokenizer, sampling, make_env, limits
+        # the model answers with EOS, unless the sampling ignores it (then an EOS token is just a token, as in one turn)
+        eos = tokenizer.eos_token_id
+        self.eos = {eos} if eos is not None and not sampling.ignore_eos else set()
+        self._spare = make_env()  # the first conversation's, made now for its stop strings
+        self.stop = tuple(dict.fromkeys(tuple(sampling.stop) + tuple(getattr(self._spare, "stop", ()))))
+
+    def begin(self, prompt_index: int, prompt: list[int], seed: int) -> Conversation:
+        """A new conversation on a fresh environment, its opening (if any) appended."""
+        env, self._spare = self._spare or self.make_env(), None
+        conv = Conversation(prompt_index, list(prompt), seed, env)
+        opening = env.reset(self.tokenizer.decode(prompt))
+        if opening:
+            conv.append(_encode(self.tokenizer, opening), None)
+        return conv
+
+    def next_turn(self, c: Conversation) -> Sampling:
+        """The sampling of `c`'s next turn: one sample, its seed, the tokens the limits leave, every stop string."""
+        seed = c.seed + _TURN_SEED_STRIDE * c.turns
+        budget = min(self.sampling.max_new_tokens, self.limits.max_tokens - len(c.ids))
+        return replace(self.sampling, n=1, stop=self.stop, seed=None if self.sampling.seed is None else seed,
+                       seeds=(seed,), max_new_tokens=budget)
+
+    def take(self, c: Conversation, out: Completion) -> None:
+        """The sampled turn `out` appended to `c`; the environment answers it; whether `c` goes on (`c.finish`)."""
+        _take_turn(c, out, self.tokenizer, self.eos, self.limits)
+
+    def completion(self, c: Conversation) -> Completion:
+        return _completion(c, self.tokenizer)
+
 
 def converse(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, make_env: Callable[[], object],
              limits: TurnLimits) -> list[Completion]:
@@ -55,50 +100,37 @@ def converse(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, ma
     `make_env()` gives one environment per conversation (`tandem.rollout.tools.Environment`); the engine stops a turn
     at `sampling.stop` and the environment's stop strings.
     """
-    # the model answers with EOS, unless the sampling ignores it (then an EOS token is just a token, as in one turn)
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None and not sampling.ignore_eos else set()
-    convs: list[_Conversation] = []
+    turns = Turns(tokenizer, sampling, make_env, limits)
+    convs: list[Conversation] = []
     for i, prompt in enumerate(prompts):
         first = sampling.seeds[i] if sampling.seeds else (sampling.seed or 0) + i * sampling.n
-        for k in range(sampling.n):
-            env = make_env()
-            conv = _Conversation(i, list(prompt), first + k, env)
-            opening = env.reset(tokenizer.decode(prompt))
-            if opening:
-                conv.append(_encode(tokenizer, opening), None)
-            convs.append(conv)
-    stop = tuple(dict.fromkeys(tuple(sampling.stop) + tuple(getattr(convs[0].env, "stop", ()) if convs else ())))
-
-    def next_turn(c: _Conversation) -> Sampling:
-        return replace(sampling, n=1, max_new_tokens=min(sampling.max_new_tokens, limits.max_tokens - len(c.ids)),
-                       stop=stop, seed=None if sampling.seed is None else c.seed + _TURN_SEED_STRIDE * c.turns,
-                       seeds=(c.seed + _TURN_SEED_STRIDE * c.turns,))
+        convs += [turns.begin(i, prompt, first + k) for k in range(sampling.n)]
 
     if hasattr(engine, "generate_continuous"):  # vLLM: a conversation's next turn starts as soon as its last ends
         def follow(k: int, out: Completion):
-            _take_turn(convs[k], out, tokenizer, eos, limits)
-            return None if convs[k].finish else (convs[k].prompt + convs[k].ids, next_turn(convs[k]))
+            turns.take(convs[k], out)
+            return None if convs[k].finish else (convs[k].prefix, turns.next_turn(convs[k]))
 
-        engine.generate_continuous([(c.prompt + c.ids, next_turn(c)) for c in convs], follow)
-        return [_completion(c, tokenizer) for c in convs]
+        engine.generate_continuous([(c.prefix, turns.next_turn(c)) for c in convs], follow)
+        return [turns.completion(c) for c in convs]
     while True:  # any other engine: each turn of every conversation still going, one batch
         active = [c for c in convs if not c.finish]
         if not active:
             break
-        by_budget: dict[int, list[tuple[_Conversation, Sampling]]] = {}
+        by_budget: dict[int, list[tuple[Conversation, Sampling]]] = {}
         for c in active:
-            turn = next_turn(c)
+            turn = turns.next_turn(c)
             by_budget.setdefault(turn.max_new_tokens, []).append((c, turn))
         for pairs in by_budget.values():
             group = [c for c, _ in pairs]
             turn = replace(pairs[0][1], seeds=tuple(t.seeds[0] for _, t in pairs))
-            outs = engine.generate([c.prompt + c.ids for c in group], turn)
+            outs = engine.generate([c.prefix for c in group], turn)
             for c, out in zip(group, outs):
-                _take_turn(c, out, tokenizer, eos, limits)
-    return [_completion(c, tokenizer) for c in convs]
+                turns.take(c, out)
+    return [turns.completion(c) for c in convs]
 
 
-def _take_turn(c: _Conversation, out: Completion, tokenizer, eos: set[int], limits: TurnLimits) -> None:
+def _take_turn(c: Conversation, out: Completion, tokenizer, eos: set[int], limits: TurnLimits) -> None:
     """Append the sampled turn; let the environment answer it; decide whether the conversation goes on."""
     c.append(list(out.completion_ids), list(out.logprobs))
     c.routes = out.routes
@@ -129,7 +161,7 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _completion(c: _Conversation, tokenizer) -> Completion:
+def _completion(c: Conversation, tokenizer) -> Completion:
     return Completion(
         prompt_ids=c.prompt, completion_ids=c.ids, logprobs=c.logprobs,
         text=tokenizer.decode(c.ids, skip_special_tokens=True), finish_reason=c.finish, prompt_index=c.prompt_index,

@@ -194,4 +194,6 @@ class HybridWorker:
         self.trainer.restore(folder)
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self.engine.close()

@@ -128,6 +128,8 @@ class RolloutWorker:
     def _load(self, staged: tuple[int, list[tuple[str, torch.Tensor]]]) -> None:
         """Staged weights into the engine (a stream's requests in flight go on under them)."""
         start = time.perf_counter()
+        if self._stream is not None:  # none of its requests in the engine while the weights and the prefix cache go
+            self._stream.suspend()
         if self._serves_adapters:
             self.engine.load_adapter(dict(staged[1]), self.cfg.lora.alpha, self.cfg.lora.rank)
         else:
@@ -250,6 +252,7 @@ class RolloutWorker:
         try:
             if self._stream is not None:
                 with self._stream.lock:  # the stream's thread is between steps, and stops at the next
+                    self._stream.close()
                     self.engine.close()
             else:
                 self.engine.close()

