@@ -124,17 +124,21 @@ def sliding_window_layers(config: dict) -> bool:
 def _check_stream(cfg, kind: str, known: Support | None) -> None:
     """What the hf engine's streaming decoder (tandem.rollout.stream) runs: every architecture of the zoo whose
     layers all attend to every position (tests/rollout/test_stream.py carries a request across a weight update in
-    each); a sliding window's cache keeps only its last positions, which the decoder's padded rows cannot follow."""
+    each); a sliding window's cache keeps only its last positions, which the decoder's padded rows cannot follow.
+    vLLM streams whatever it runs (its own scheduler holds the requests; tests/core/test_model_zoo.py carries a
+    sliding-window model's requests across an update). Neither records an MoE's routes."""
+    if cfg.algo.router_replay:
+        raise ConfigError("placement.schedule: stream does not record the experts each sampled token went to, which "
+                          "algo.router_replay replays; set algo.router_replay: false, or use placement.schedule: async")
+    if cfg.rollout.engine != "hf":
+        return
     if known is None:
-        raise ConfigError(f"placement.schedule: stream is tested with the model zoo's architectures "
+        raise ConfigError(f"placement.schedule: stream on the hf engine is tested with the model zoo's architectures "
                           f"({', '.join(sorted(SUPPORT))}); model.path is {kind!r}: use placement.schedule: async")
     if sliding_window_layers(read_json(Path(cfg.model.path).expanduser() / "config.json")):
         raise ConfigError(f"placement.schedule: stream: model.path ({known.name}) has sliding-window attention layers "
                           "(config.json's sliding_window or layer_types), which the hf engine's streaming decoder "
-                          "cannot hold; use placement.schedule: async")
-    if cfg.algo.router_replay:
-        raise ConfigError("placement.schedule: stream does not record the experts each sampled token went to, which "
-                          "algo.router_replay replays; set algo.router_replay: false, or use placement.schedule: async")
+                          "cannot hold; use rollout.engine: vllm, or placement.schedule: async")
 
 
 # Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints

@@ -93,17 +93,12 @@ def _data(cfg: Config) -> None:
 
 
 def _stream(cfg: Config) -> None:
-    """What placement.schedule: stream runs on (so far): the hf engine or the in-process vLLM engine, split placement
-    or one process."""
-    pl, r = cfg.placement, cfg.rollout
+    """Where placement.schedule: stream runs: split placement or one process."""
+    pl = cfg.placement
     if pl.mode == "colocate" and pl.backend == "ray":
         raise ConfigError("placement.schedule: stream runs in split placement or in one process "
                           "(placement.backend: local); colocated Ray workers time-slice their devices, so there "
                           "is nothing to stream into; use placement.mode: split")
-    if r.engine == "vllm" and r.vllm.mode != "inprocess":
-        raise ConfigError("placement.schedule: stream with vLLM needs rollout.vllm.mode: inprocess for now (a server's "
-                          "in-flight weight loads are not built yet); use rollout.vllm.mode=inprocess, or "
-                          "placement.schedule: async")
 
 
 def _stream_only_fields(cfg: Config) -> None:

@@ -43,7 +43,7 @@ class PlacementConfig(Section):
         "next batches while the trainers train, at most `max_staleness` policy versions behind; the loss corrects "
         "for it with the sampler's logprobs: they are the clipped ratio's old policy, or with algo.tis_cap (or "
         "algo.is_mask) the trainer recomputes that one and the importance weight pi_old / pi_sampler corrects the "
-        "staleness. `stream` (split, or one process; the hf engine, or vLLM in process; the model zoo's "
+        "staleness. `stream` (split, or one process; vLLM in process or a server, or the hf engine on the model zoo's "
         "architectures without sliding-window layers): each sampler keeps rollout.max_in_flight requests decoding "
         "and starts new ones as others stop, across step boundaries; a step trains as soon as "
         "batch.prompts_per_step groups have finished (scored as they arrive), new weights land between decode steps "

@@ -17,7 +17,8 @@ from tandem.rollout import Completion, Sampling
 from tandem.rollout.hf import HFEngine
 from tandem.rollout.multiturn import Conversation, TurnLimits, Turns
 from tandem.rollout.stream import Finished, HFStream, Request
-from tandem.rollout.vllm.stream import VLLMStream
+from tandem.rollout.vllm.server import VLLMServerEngine
+from tandem.rollout.vllm.stream import ServerStream, VLLMStream
 
 log = logging.getLogger("tandem.stream")
 DROP_RESTARTS = 8  # rollout.partial: drop: a request begun again this many times stops the run (it cannot finish)
@@ -52,10 +53,13 @@ class StreamReport:
     version: int  # the policy version the engine holds now
 
 
-def session(engine, sampling: Sampling, slots: int) -> HFStream | VLLMStream:
-    """The streaming session of `engine`: the hf engine's slot decoder, or the in-process vLLM engine's scheduler."""
+def session(engine, sampling: Sampling, slots: int) -> HFStream | VLLMStream | ServerStream:
+    """The streaming session of `engine`: the hf engine's slot decoder, the in-process vLLM engine's scheduler, or
+    a vLLM server's streamed requests."""
     if isinstance(engine, HFEngine):
         return HFStream(engine, sampling, slots)
+    if isinstance(engine, VLLMServerEngine):
+        return ServerStream(engine, sampling, slots)
     return VLLMStream(engine, sampling, slots)
 
 
@@ -82,7 +86,7 @@ class StreamSampler:
         r, pl = cfg.rollout, cfg.placement
         self.slots = r.max_in_flight or cfg.batch.prompts_per_step * cfg.batch.group_size
         self.max_staleness, self.drop = pl.max_staleness, r.partial == "drop"
-        self.session: HFStream | VLLMStream | None = None
+        self.session: HFStream | VLLMStream | ServerStream | None = None
         self.groups: dict[int, tuple[StreamGroup, dict[int, Completion]]] = {}
         self.outbox: list[tuple[int, list[Completion]]] = []
         self.version = 0
@@ -111,11 +115,12 @@ class StreamSampler:
         stop every request)."""
         env = self.cfg.env
         if env.name:
+            from tandem.modeling import load_tokenizer
             from tandem.rollout.tools import make_environment
 
+            tokenizer = load_tokenizer(self.cfg.model.path, self.cfg.model.trust_remote_code)  # ids as the trainer's
             make_env = functools.partial(make_environment, env.name, **env.kwargs)
-            self.turns = Turns(self.engine.tokenizer, sampling, make_env,
-                               TurnLimits(env.max_turns, self.cfg.max_completion_tokens))
+            self.turns = Turns(tokenizer, sampling, make_env, TurnLimits(env.max_turns, self.cfg.max_completion_tokens))
             sampling = dataclasses.replace(sampling, stop=self.turns.stop)
             self._tools = ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tandem-tool")
         self.session = session(self.engine, sampling, self.slots)
@@ -288,6 +293,9 @@ class StreamSampler:
                 + sum(len(c.completion_ids) for _, done in self.groups.values() for c in done.values()))
 
     def close(self) -> None:
-        """No environment answers another turn (one answering now ends within its tool's own time bound)."""
+        """No request left in the engine (a server's connections closed before the server goes), and no environment
+        answers another turn (one answering now ends within its tool's own time bound)."""
+        if self.session is not None:
+            self.session.suspend()
         if self._tools is not None:
             self._tools.shutdown(wait=False, cancel_futures=True)

@@ -137,16 +137,13 @@ def test_a_setting_that_would_do_nothing_or_names_no_tracker_is_refused(override
                               if k in ("max_in_flight", "partial", "in_flight_weights")]).placement.schedule == "sync"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["placement.backend=ray", "placement.mode=colocate"], "stream runs in split placement or in one process"),
-    (["rollout.engine=vllm", "rollout.vllm.mode=server"], r"stream with vLLM needs rollout\.vllm\.mode: inprocess"),
-])
-def test_the_stream_schedule_is_refused_where_it_cannot_run(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, ["placement.schedule=stream", *overrides])
-    # vLLM in process streams (tests/rollout/test_vllm_engine.py), and conversations stream
-    # (tests/workers/test_stream_conversations.py)
+def test_the_stream_schedule_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="stream runs in split placement or in one process"):
+        load_config(None, ["placement.schedule=stream", "placement.backend=ray", "placement.mode=colocate"])
+    # vLLM streams in process (tests/rollout/test_vllm_engine.py) and as a server (test_vllm_server.py), and
+    # conversations stream (tests/workers/test_stream_conversations.py)
     assert load_config(None, ["placement.schedule=stream", "rollout.engine=vllm"]).rollout.vllm.mode == "inprocess"
+    assert load_config(None, ["placement.schedule=stream", "rollout.engine=vllm", "rollout.vllm.mode=server"])
     assert load_config(None, ["placement.schedule=stream", "env.name=tools"]).env.name == "tools"
 
 

@@ -132,14 +132,69 @@ def test_the_stream_schedule_takes_every_zoo_architecture_and_refuses_what_it_ca
         with pytest.raises(ConfigError, match=r"placement\.schedule: stream: model\.path \(.*\) has sliding-window "
                                               "attention layers"):
             check_supported(zoo_config(windowed, tmp_path, *stream))
+        check_supported(zoo_config(windowed, tmp_path, *stream, "rollout.engine=vllm"))  # vLLM streams it
     other = tmp_path / "other"
     other.mkdir()
     config = json.loads((zoo["llama"] / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(dict(config, model_type="gpt_neox")))
-    with pytest.raises(ConfigError, match=r"stream is tested with the model zoo's architectures .*'gpt_neox'"):
+    with pytest.raises(ConfigError, match=r"stream on the hf engine is tested with the model zoo's architectures "
+                                          r".*'gpt_neox'"):
         check_supported(zoo_config(other, tmp_path, *stream))
-    with pytest.raises(ConfigError, match="does not record the experts each sampled token went to"):
-        check_supported(zoo_config(zoo["qwen3_moe"], tmp_path, *stream, "algo.router_replay=true"))
+    for engine in ("hf", "vllm"):
+        with pytest.raises(ConfigError, match="does not record the experts each sampled token went to"):
+            check_supported(zoo_config(zoo["qwen3_moe"], tmp_path, *stream, "algo.router_replay=true",
+                                       f"rollout.engine={engine}"))
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_a_vllm_stream_carries_a_sliding_window_model_across_an_update_exactly(tmp_path):
+    """vLLM streams what it runs: Mistral with a sliding window of 8 (shorter than the sequences), requests carried
+    across a weight update by resubmission; every token's logprob is the HF forward's of the weights that sampled it
+    (the window applied, which changes them), within float32's bound."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.rollout import Sampling
+    from tandem.rollout.stream import Request
+    from tandem.rollout.vllm.engine import VLLMEngine
+    from tandem.rollout.vllm.stream import VLLMStream
+    from tiny_qwen import hf_logprobs
+
+    folder = zoo_models.build(tmp_path / "mistral", "mistral")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, sliding_window=8)))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    full = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, sliding_window=None).eval()
+    engine = VLLMEngine(str(folder), seed=0, max_model_len=128, kv_cache_bytes=32 << 20)
+    try:
+        stream = VLLMStream(engine, Sampling(n=1, temperature=0.8, max_new_tokens=20, ignore_eos=True), slots=2)
+        prompts = [[5, 6, 7, 8, 9, 10], [100, 20, 30, 40]]
+        for i, p in enumerate(prompts):
+            stream.add(Request(i, p, 20, seed=i))
+        done = []
+        for _ in range(8):
+            done += stream.step(0)
+        old = {n: t.clone() for n, t in hf.state_dict().items()}
+        g = torch.Generator().manual_seed(1)
+        new = {n: t + 0.3 * max(t.std().item(), 0.02) * torch.randn(t.shape, generator=g) for n, t in old.items()}
+        engine.load_weights(new.items())
+        stream.reload()
+        while stream.in_flight:
+            done += stream.step(1)
+    finally:
+        engine.close()
+    requests = sorted((f.request for f in done), key=lambda r: r.key)
+    assert [r.versions for r in requests] == [[0] * 8 + [1] * 12] * 2
+    windowed_mattered = 0.0
+    for version, weights in ((0, old), (1, new)):
+        hf.load_state_dict(weights)
+        full.load_state_dict(weights)
+        for r in requests:
+            at = torch.tensor(r.versions) == version
+            ref = hf_logprobs(hf, r.prompt_ids, r.tokens, 0.8)
+            assert (ref - torch.tensor(r.logprobs))[at].abs().max() < 1e-5, (r.key, version)
+            windowed_mattered = max(windowed_mattered, float((ref - hf_logprobs(full, r.prompt_ids, r.tokens, 0.8))
+                                                             [at].abs().max()))
+    assert windowed_mattered > 1e-3  # the window changed the logprobs: vLLM applied it
 
 
 def test_expert_parallel_is_refused_before_any_model_loads_where_the_experts_cannot_be_split(zoo, tmp_path):

@@ -304,7 +304,8 @@ def test_streamed_conversations_on_vllm_are_exact_across_a_weight_update(engine,
 
     if "vllm-stream-echo" not in ENVIRONMENTS:
         register_environment("vllm-stream-echo")(lambda: Echo(turns=3, observation="7+8="))
-    cfg = Config.model_validate({"batch": {"prompts_per_step": 1, "group_size": 2},
+    cfg = Config.model_validate({"model": {"path": engine.model_path},
+                                 "batch": {"prompts_per_step": 1, "group_size": 2},
                                  "rollout": {"max_new_tokens": 5, "ignore_eos": True, "max_in_flight": 2},
                                  "env": {"name": "vllm-stream-echo", "max_turns": 3, "max_tokens": 64},
                                  "placement": {"schedule": "stream"}})

@@ -50,4 +50,44 @@ def test_server_generates_and_updates_weights(tiny_models, tmp_path):
 
         with pytest.raises(ValueError, match="expected"):
             eng.load_weights([(name, new[:5])])
+        _streams_across_an_update(eng, hf, prompts + [[200, 201, 202]])
     assert eng.proc is not None and eng.proc.poll() is not None  # the server is gone
+
+
+def _streams_across_an_update(eng, hf, prompts: list[list[int]]) -> None:
+    """placement.schedule: stream on the server: three requests on two slots, streamed; after a few steps new
+    weights land (the stream suspended first, as the rollout worker does), and each request running is resubmitted
+    with its tokens so far: the tokens after the update carry version 1 and the new weights' logprobs over the whole
+    sequence (within float32's 1e-5), those before version 0 and the old weights'."""
+    import copy
+
+    from tandem.rollout.stream import Request
+    from tandem.rollout.vllm.stream import ServerStream
+
+    stream = ServerStream(eng, Sampling(n=1, temperature=0.8, max_new_tokens=24, ignore_eos=True), slots=2)
+    for i, p in enumerate(prompts):
+        stream.add(Request(i, p, 24, seed=i))
+    done = []
+    while not all(len(r.tokens) >= 4 for r in stream.running.values()) or len(stream.running) < 2:
+        done += stream.step(0)
+    old = copy.deepcopy(hf)
+    g = torch.Generator().manual_seed(5)
+    new = {n: t + 0.3 * max(t.std().item(), 0.02) * torch.randn(t.shape, generator=g)
+           for n, t in hf.state_dict().items() if n != "lm_head.weight"}
+    stream.suspend()
+    eng.load_weights(new.items())
+    hf.load_state_dict(new, strict=False)
+    stream.reload()
+    while stream.in_flight:
+        done += stream.step(1)
+    requests = sorted((f.request for f in done), key=lambda r: r.key)
+    assert [(r.key, len(r.tokens)) for r in requests] == [(0, 24), (1, 24), (2, 24)]
+    assert requests[2].versions == [1] * 24  # it waited for a slot
+    for r in requests:
+        v, lp = torch.tensor(r.versions), torch.tensor(r.logprobs)
+        assert r.versions == sorted(r.versions)
+        for version, model in ((0, old), (1, hf)):
+            ref = hf_logprobs(model, r.prompt_ids, r.tokens, 0.8)
+            if (v == version).any():
+                assert (ref - lp)[v == version].abs().max() < 1e-5, (r.key, version)
+    assert any(0 in r.versions and 1 in r.versions for r in requests)  # carried across the update

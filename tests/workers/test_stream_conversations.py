@@ -58,9 +58,9 @@ class Echo:
 register_environment("stream-test-echo")(Echo)
 
 
-def _cfg(group_size: int, slots: int) -> Config:
+def _cfg(model, group_size: int, slots: int) -> Config:
     return Config.model_validate({
-        "batch": {"prompts_per_step": 1, "group_size": group_size},
+        "model": {"path": str(model)}, "batch": {"prompts_per_step": 1, "group_size": group_size},
         "rollout": {"max_new_tokens": TURN_TOKENS, "ignore_eos": True, "temperature": TEMPERATURE,
                     "max_in_flight": slots},
         "env": {"name": "stream-test-echo", "max_turns": TURNS, "max_tokens": 64},
@@ -92,11 +92,11 @@ def prompt(tiny_model):
     return load_tokenizer(tiny_model).encode("12+34=")
 
 
-def test_streamed_conversations_are_the_conversations_converse_samples(engine, prompt):
+def test_streamed_conversations_are_the_conversations_converse_samples(engine, prompt, tiny_model):
     """Same engine, same seeds, no update: each conversation (its turns' tokens, the environment's tokens masked
     with logprob 0, its turns and calls) is the one `converse` samples; its sampled tokens' logprobs are a fresh
     forward's of the whole conversation, so each turn continued from the exact ids before it."""
-    cfg, G = _cfg(group_size=3, slots=2), 3  # two slots for three conversations: turns wait for slots too
+    cfg, G = _cfg(tiny_model, group_size=3, slots=2), 3  # two slots, three conversations: turns wait for slots too
     sampler = StreamSampler(cfg, engine)
     sampler.add([StreamGroup(5, prompt, G, seed=11, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
     ((serial, streamed),) = _drain(sampler)
@@ -118,11 +118,11 @@ def test_streamed_conversations_are_the_conversations_converse_samples(engine, p
         assert torch.allclose(lp, torch.tensor(want.logprobs), atol=1e-5)
 
 
-def test_a_weight_update_between_turns_tags_each_token_with_its_version(engine, prompt):
+def test_a_weight_update_between_turns_tags_each_token_with_its_version(engine, prompt, tiny_model):
     """New weights land after every conversation's first turn is answered: the tokens sampled before are version 0
     and match the old weights' forward; those after are version 1 and match the new weights' forward over the whole
     conversation (its earlier turns prefilled again)."""
-    cfg = _cfg(group_size=2, slots=2)
+    cfg = _cfg(tiny_model, group_size=2, slots=2)
     sampler = StreamSampler(cfg, engine)
     sampler.add([StreamGroup(0, prompt, 2, seed=3, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
     _drain(sampler, until=lambda s: all(c.turns >= 1 for c, _ in s.conversations.values()) and not s.answering)
@@ -150,7 +150,7 @@ def test_a_slow_tool_does_not_hold_up_the_other_conversations(engine, tiny_model
     finish meanwhile (a tool answers on a thread of its own), and the blocked one finishes once released."""
     tok = load_tokenizer(tiny_model)
     slow, fast = tok.encode("7+5="), tok.encode("99+99=")
-    cfg = _cfg(group_size=2, slots=2)  # groups of one here: the slots, not the algorithm, are under test
+    cfg = _cfg(tiny_model, group_size=2, slots=2)  # groups of one here: the slots, not the algorithm, under test
     sampler = StreamSampler(cfg, engine)
     Echo.gate, Echo.gated = threading.Event(), tok.decode(slow)
     try:

@@ -1,8 +1,13 @@
-"""The streaming schedule on the in-process vLLM engine: requests added and finished between engine steps, and weights
+"""The streaming schedule on vLLM, in process or a server: requests added and finished between engine steps, and weights
 landing with requests in flight (each one aborted and resubmitted with its tokens so far, prefilled again)."""
 from __future__ import annotations
 
+import http.client
 import itertools
+import json
+import socket
+import threading
+import time
 from typing import Hashable
 
 from tandem.rollout.base import Sampling
@@ -112,3 +117,182 @@ class VLLMStream(StreamRequests):
             self.engine.llm.llm_engine.abort_request(rids)
         for rid in rids:
             del self._submitted[rid]
+
+
+STEP_WAIT_S = 0.05  # ServerStream.step: the longest it waits for a token to arrive before it returns empty-handed
+RESET_TIMEOUT_S = 30.0  # ServerStream.reload: how long the server may take to free the aborted requests' blocks
+
+
+class ServerStream(StreamRequests):
+    """`VLLMStream`'s session on a vLLM server (`VLLMServerEngine`): each running request is one streamed
+    /v1/completions request on a thread of its own, and a `step` hands on the tokens that arrived since the last one
+    (waiting up to STEP_WAIT_S for one), tagged with the version the sampler holds.
+
+    New weights land the same way: `suspend` (before the load) closes every request's connection, which makes the
+    server abort it, and keeps the tokens that arrived; `reload` (after it) waits until the server's prefix cache is
+    reset (it fails while an aborted request still holds blocks, which would otherwise serve the old weights' keys and
+    values to the resubmission) and submits every running request again with its tokens so far as its prompt."""
+
+    def __init__(self, engine, sampling: Sampling, slots: int):
+        from tandem.modeling import load_tokenizer
+        from tandem.rollout.vllm.server import VLLMServerEngine
+
+        if not isinstance(engine, VLLMServerEngine):
+            raise ValueError("ServerStream streams on a vLLM server (rollout.vllm.mode: server)")
+        super().__init__()
+        self.engine, self.sampling, self.slots = engine, sampling, slots
+        self.tokenizer = load_tokenizer(engine.model_path)  # the finished texts, decoded from the ids as vLLM does
+        self.suspended = False
+        self.version = 0  # the version of the last step: what tokens that arrive before a load were sampled by
+        self._calls: dict[Hashable, _StreamedCall] = {}
+        self._inbox: dict[Hashable, list[tuple]] = {}  # key -> chunks arrived: (ids, logprobs, finish, stop reason)
+        self._arrived = threading.Condition()
+
+    def discard(self, key: Hashable) -> None:
+        if key in self.running:
+            self._stop([key])
+            self._inbox.pop(key, None)
+            del self.running[key]
+        self._unqueue(key)
+
+    def suspend(self) -> None:
+        """Every running request's connection closed (the server aborts it), the tokens it sent kept."""
+        self._stop(list(self._calls))
+        self._take(self.version)
+        self.suspended = True
+
+    def resume(self) -> None:
+        if self.suspended:
+            self.reload()
+
+    def reload(self) -> None:
+        """Every running request again from its prefix, under the server's weights now."""
+        self.suspend()
+        deadline = time.monotonic() + RESET_TIMEOUT_S
+        while not (self.engine._post("/reset_prefix_cache") or {}).get("success"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server {self.engine.base_url} kept its prefix cache {RESET_TIMEOUT_S:.0f} s "
+                                   "after the stream's requests were aborted: a request of another caller is running")
+            time.sleep(0.01)
+        self.suspended = False
+        for r in self.running.values():
+            self._submit(r)
+
+    def step(self, version: int) -> list[Finished]:
+        """Admit waiting requests, then the tokens that arrived (waiting up to STEP_WAIT_S for one), tagged
+        `version`; the requests that stopped."""
+        self.version = version
+        self.resume()
+        while self.admitting and self.waiting and len(self.running) < self.slots:
+            r = self.waiting.popleft()
+            self.running[r.key] = r
+            self._submit(r)
+        if not self.running:
+            return []
+        with self._arrived:
+            if not self._inbox:
+                self._arrived.wait(STEP_WAIT_S)
+        return self._take(version)
+
+    def _take(self, version: int) -> list[Finished]:
+        with self._arrived:
+            inbox, self._inbox = self._inbox, {}
+        done = []
+        for key, chunks in inbox.items():
+            r = self.running[key]
+            for ids, logprobs, finish, stop_reason in chunks:
+                if isinstance(finish, BaseException):
+                    raise RuntimeError(f"stream request {key} on vLLM server {self.engine.base_url}: {finish!r}") \
+                        from finish
+                r.tokens += ids
+                r.logprobs += logprobs
+                r.versions += [version] * len(ids)
+                if finish is None:
+                    continue
+                call = self._calls.pop(key, None)  # (gone already when it finished as `suspend` closed it)
+                if call is not None:
+                    call.join()
+                del self.running[key]
+                text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+                if finish == "stop" and isinstance(stop_reason, str):  # cut just after the stop string
+                    text = text[: text.find(stop_reason) + len(stop_reason)]
+                done.append(Finished(r, _finish(finish, f"stream request {key}"), text))
+        return done
+
+    def _submit(self, r: Request) -> None:
+        seed = r.seed + 7919 * r.restarts + 104729 * len(r.tokens)  # as VLLMStream's
+        kw = _sampling_kwargs(self.sampling, 1, seed)
+        body = {"model": self.engine.model_name, "prompt": r.prefix, "n": 1, "temperature": kw["temperature"],
+                "top_p": kw["top_p"], "top_k": kw["top_k"], "max_tokens": r.max_new_tokens - len(r.tokens),
+                "stop": kw["stop"], "stop_token_ids": kw["stop_token_ids"], "ignore_eos": kw["ignore_eos"],
+                "seed": seed, "logprobs": 0, "return_token_ids": True, "include_stop_str_in_output": True,
+                "skip_special_tokens": True, "stream": True}
+        call = _StreamedCall(self, r.key, body)
+        self._calls[r.key] = call
+        call.start()
+
+    def _arrive(self, key: Hashable, chunk: tuple) -> None:
+        with self._arrived:
+            self._inbox.setdefault(key, []).append(chunk)
+            self._arrived.notify_all()
+
+    def _stop(self, keys: list[Hashable]) -> None:
+        calls = [self._calls.pop(k) for k in keys if k in self._calls]
+        for call in calls:
+            call.stop()
+        for call in calls:
+            call.join()
+
+
+class _StreamedCall(threading.Thread):
+    """One streamed /v1/completions request: each chunk's new token ids and logprobs to its `ServerStream`, until
+    the request finishes or `stop` closes its connection."""
+
+    def __init__(self, stream: ServerStream, key: Hashable, body: dict):
+        super().__init__(name=f"tandem-stream-call-{key}", daemon=True)
+        from urllib.parse import urlparse
+
+        url = urlparse(stream.engine.base_url)
+        self.stream, self.key, self.body = stream, key, body
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=stream.engine.request_timeout_s)
+        self.stopping = False
+
+    def run(self) -> None:
+        try:
+            self.conn.request("POST", "/v1/completions", json.dumps(self.body),
+                              {"Content-Type": "application/json"})
+            resp = self.conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:2000]!r}")
+            for line in resp:
+                if self.stopping:
+                    return
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                (choice,) = json.loads(line[6:])["choices"]
+                ids = [int(t) for t in choice.get("token_ids") or ()]
+                logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or ()]
+                finish = choice.get("finish_reason")
+                if ids or finish is not None:
+                    self.stream._arrive(self.key, (ids, logprobs, finish, choice.get("stop_reason")))
+                if finish is not None:
+                    return
+            if not self.stopping:
+                raise RuntimeError("the server closed the stream before the request finished")
+        except Exception as exc:  # noqa: BLE001 - handed to the sampler's step, which raises it
+            if not self.stopping:
+                proc = self.stream.engine.proc
+                self.stream._arrive(self.key, ([], [], RuntimeError(self.stream.engine._death()) if proc is not None
+                                               and proc.poll() is not None else exc, None))
+        finally:
+            self.conn.close()
+
+    def stop(self) -> None:
+        """Close the connection (the server aborts the request on it); `run` returns without reporting more."""
+        self.stopping = True
+        sock = self.conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
