@@ -16,7 +16,7 @@ from tandem.rollout.hf import HFEngine, _draw, uniforms
 @dataclass
 class Request:
     """One completion being sampled: its prompt, limit and seed, and the tokens so far with each one's logprob and
-    policy version. A restarted request (dropped as too stale) begins again from its prompt with a new seed."""
+    policy version. A request begun again (`restarts`: dropped as too stale) draws from a seed of its own."""
 
     key: Hashable
     prompt_ids: list[int]
@@ -30,10 +30,6 @@ class Request:
     @property
     def prefix(self) -> list[int]:
         return self.prompt_ids + self.tokens
-
-    def restart(self) -> None:
-        self.tokens, self.logprobs, self.versions = [], [], []
-        self.restarts += 1
 
 
 @dataclass

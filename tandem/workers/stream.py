@@ -246,7 +246,8 @@ class StreamSampler:
         again, as does every finished one still waiting for its group. A turn an environment is answering is
         judged when its next turn is queued, at the next load."""
         for r in self.session.requests():
-            first = self.conversations[r.key][1] if r.key in self.conversations else r.versions
+            before = self.conversations[r.key][1] if r.key in self.conversations else []  # its earlier turns'
+            first = before[:1] or r.versions[:1]
             if first and first[0] < oldest:
                 self.session.discard(r.key)
                 serial, i = r.key

@@ -58,11 +58,11 @@ class Echo:
 register_environment("stream-test-echo")(Echo)
 
 
-def _cfg(model, group_size: int, slots: int) -> Config:
+def _cfg(model, group_size: int, slots: int, **rollout) -> Config:
     return Config.model_validate({
         "model": {"path": str(model)}, "batch": {"prompts_per_step": 1, "group_size": group_size},
         "rollout": {"max_new_tokens": TURN_TOKENS, "ignore_eos": True, "temperature": TEMPERATURE,
-                    "max_in_flight": slots},
+                    "max_in_flight": slots, **rollout},
         "env": {"name": "stream-test-echo", "max_turns": TURNS, "max_tokens": 64},
         "placement": {"schedule": "stream"}})
 
@@ -165,3 +165,21 @@ def test_a_slow_tool_does_not_hold_up_the_other_conversations(engine, tiny_model
         Echo.gate.set()
         Echo.gate = None
         sampler.close()
+
+
+def test_under_drop_a_conversation_too_stale_begins_again_whole(engine, prompt, tiny_model):
+    """rollout.partial: drop: a conversation whose first sampled token the bound leaves behind begins again from its
+    prompt on a fresh environment, in its first turn as in a later one."""
+    cfg = _cfg(tiny_model, group_size=2, slots=4, partial="drop")
+    sampler = StreamSampler(cfg, engine)
+    sampler.add([StreamGroup(0, prompt, 2, seed=0, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
+    sampler.step()
+    sampler.step()  # both conversations two tokens into their first turn, at version 0
+    assert all(conv.turns == 0 for conv, _ in sampler.conversations.values())
+    sampler.weights_changed(1)  # within the bound (max_staleness 1): kept
+    assert sampler.take().restarted == 0
+    sampler.weights_changed(2)  # version 0 is now beyond it
+    assert sampler.take().restarted == 2
+    assert all(len(r.tokens) == 0 and r.restarts == 1 for r in sampler.session.requests())
+    ((_, comps),) = _drain(sampler)
+    assert all(set(c.versions) == {2} and c.meta["turns"] == TURNS for c in comps)
