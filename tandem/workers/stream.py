@@ -166,8 +166,9 @@ class StreamSampler:
                 if self.answering:
                     wait([f for f, _ in self.answering.values()], TOOL_POLL_S, FIRST_COMPLETED)
                     self._answered()
-                self._times["idle"] += time.perf_counter() - now
-                self._last = time.perf_counter()
+                end = time.perf_counter()
+                self._times["idle"] += end - self._last  # since the last step: nothing was decoding
+                self._last = end
                 return bool(self.in_flight)
             for f in self.session.step(self.version):
                 self._finish(f)

@@ -159,3 +159,19 @@ def test_drop_stops_the_run_naming_the_fix_when_a_request_can_never_finish(tiny_
             sampler.weights_changed(version)
     assert version == 2 * DROP_RESTARTS  # one restart every other update: the first token is then too old
     assert "begun a request again 3 times" in caplog.text
+
+
+def test_a_sampler_with_nothing_in_flight_counts_the_time_as_idle(tiny_model):
+    """The sampler's idle share (`time/sampler_idle`, bench_stream.py's column) is the time since its last step
+    while nothing was in flight: a sampler waiting 0.2 s for groups reports at least that, and none of it busy."""
+    import time
+
+    cfg = Config.model_validate({"batch": {"prompts_per_step": 1, "group_size": 2},
+                                 "rollout": {"max_new_tokens": 3, "ignore_eos": True},
+                                 "placement": {"schedule": "stream"}})
+    sampler = StreamSampler(cfg, HFEngine(str(tiny_model), seed=0))
+    sampler.take()
+    time.sleep(0.2)
+    assert sampler.step() is False
+    report = sampler.take()
+    assert report.idle_seconds >= 0.2 and report.busy_seconds == 0
