@@ -21,6 +21,9 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
   colocated-ray   vLLM in colocated Ray workers (one per GPU, at most 2) with sleep/wake, 3 steps: logprob_diff
   tp2-engine      one vLLM engine at tensor parallel 2 over 2 colocated workers (2 GPUs): logprob_diff
   split-channel   split placement, 1 trainer + 1 vLLM sampler, weights over the NCCL weight channel (2 GPUs)
+  vllm-stream     placement.schedule stream in one process with vLLM in process and sleep mode: the stream's
+                  requests out of the engine around its sleep, the update and the sync; staleness within the bound
+  stream-split    the stream with a vLLM sampler in split placement (2 GPUs): requests carried across weight loads
   lora-vllm       LoRA served by vLLM itself (split, the adapter only on the wire; 2 GPUs): logprob_diff
   moe-sync        a tiny Qwen3-MoE with vLLM in process: the per-expert conversion on CUDA, logprob_diff
   bf16-bound      model.dtype bfloat16 with vLLM: the logprob gap measured against rollout.max_logprob_diff 'auto'
@@ -252,6 +255,27 @@ def _split(work: Path, *extra: str) -> list[dict]:
 def check_split(work: Path) -> str:
     rows = _split(work)
     return f"{rows[-1]['sync/bytes'] / 2**20:.2f} MiB per sync over the channel; " + _logprob_gap(rows)
+
+
+def _streamed(rows: list[dict]) -> str:
+    """A stream's steps: every trained token within the staleness bound (max_staleness 1, the default); the
+    logprob gap is the staleness the stream trains with, so it is reported, not bounded."""
+    assert all(r["async/staleness"] <= 1 for r in rows), [r["async/staleness"] for r in rows]
+    assert all("stream/requests_in_flight" in r for r in rows), rows[-1].keys()
+    loads = sum(r["time/weight_load"] for r in rows)
+    return (f"staleness max {max(r['async/staleness'] for r in rows)}, logprob_diff mean per step <= "
+            f"{max(r['logprob_diff'] for r in rows):.2g}, weight loads {loads:.2f} s")
+
+
+@check("vllm-stream")
+def check_vllm_stream(work: Path) -> str:
+    return _streamed(_run(tiny(work / "tiny"), work / "run", "rollout.engine=vllm", "placement.schedule=stream",
+                          "rollout.vllm.sleep_level=1"))
+
+
+@check("stream-split", gpus=2)
+def check_stream_split(work: Path) -> str:
+    return _streamed(_split(work, "placement.schedule=stream"))
 
 
 @check("lora-vllm", gpus=2)
