@@ -26,6 +26,7 @@ class Support:
     lora: tuple[str, ...] = _DENSE  # lora.target_modules when the config names none
     lora_parameters: tuple[str, ...] = ()  # lora.target_parameters then (an MoE's fused experts)
     experts: bool = False  # a mixture of experts (the sync cuts its fused experts; see has_experts)
+    local_layers: bool = False  # its checkpoints have sliding-window layers: the hf engine's stream refuses them
 
 
 # An MoE runs with vLLM: transformers 5 trains each layer's experts fused into 3-D tensors (mlp.experts.gate_up_proj)
@@ -39,6 +40,7 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "llama": Support("Llama 3"),
     "qwen3": Support("Qwen3"),
     "gemma": Support("Gemma"),
+    "gemma3_text": Support("Gemma 3 (text)", local_layers=True),  # five local layers to one global
     "mistral": Support("Mistral"),
     "phi3": Support("Phi-3 / Phi-4", lora=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     "qwen3_moe": Support("Qwen3-MoE", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),

@@ -29,6 +29,12 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
         "gemma": ("GemmaConfig", dict(c, head_dim=HEAD_DIM, tie_word_embeddings=True,
                                       hidden_activation="gelu_pytorch_tanh")),
         "mistral": ("MistralConfig", dict(c, head_dim=HEAD_DIM, sliding_window=None)),
+        # Gemma 3 (text): a local layer (sliding window of 8, shorter than the tests' sequences) and a global one, q/k
+        # norms, its own scaling of the queries, and the final logits soft-capped
+        "gemma3_text": ("Gemma3TextConfig", dict(c, head_dim=HEAD_DIM, tie_word_embeddings=True, sliding_window=8,
+                                                 layer_types=["sliding_attention", "full_attention"],
+                                                 query_pre_attn_scalar=HEAD_DIM, final_logit_softcapping=30.0,
+                                                 hidden_activation="gelu_pytorch_tanh")),
         # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj; GQA as in Phi-4 (4 q heads, 2 kv heads: [q | k | v] of
         # unequal parts, split by heads under TP), head_dim = hidden / heads = 32
         "phi3": ("Phi3Config", dict(c, hidden_size=2 * HIDDEN, num_attention_heads=2 * HEADS,
@@ -49,7 +55,8 @@ def _tokenizer():
     return build_tokenizer(arithmetic.corpus(), 300)
 
 
-ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text")
+WINDOWED = ("gemma3_text",)  # with sliding-window layers: the hf engine's stream refuses them (vLLM streams them)
 
 
 def build(folder: Path, model_type: str, seed: int = 0) -> Path:
