@@ -45,6 +45,7 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "phi3": Support("Phi-3 / Phi-4", lora=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     "qwen3_moe": Support("Qwen3-MoE", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "mixtral": Support("Mixtral", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
+    "glm4_moe": Support("GLM-4.5", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
 }
 
 
@@ -145,7 +146,8 @@ def _check_stream(cfg, kind: str, known: Support | None) -> None:
 
 # Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints
 # say num_experts, Mixtral's num_local_experts, and transformers 5 saves either model with the latter.
-_EXPERT_COUNT = {"qwen3_moe": ("num_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts")}
+_EXPERT_COUNT = {"qwen3_moe": ("num_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts"),
+                 "glm4_moe": ("n_routed_experts",)}
 
 
 def _check_expert_parallel(path: str, ep: int, kind: str, known: Support) -> None:

@@ -9,20 +9,36 @@ from typing import Iterator
 
 import torch
 
-# The routers tandem knows, by class name. Each returns (logits, the chosen experts' weights, their indices), the
-# indices being the top-k of softmax(logits) in float32; the one difference is whether the chosen weights are
-# renormalized to sum to 1 (Qwen3-MoE: as its config's norm_topk_prob says; Mixtral: always). A replayed forward
-# recomputes the weights the same way from its own logits, so the gradient reaches the router through the
-# softmax weights of the experts it was given, as it reaches it through those of the experts it chose.
-_RENORMALIZES = {
-    "Qwen3MoeTopKRouter": lambda router: bool(router.norm_topk_prob),
-    "MixtralTopKRouter": lambda router: True,
+def _softmax_weights(logits: torch.Tensor, used: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    top = torch.softmax(logits.float(), dim=-1).gather(-1, used)
+    return top / top.sum(dim=-1, keepdim=True) if renormalize else top
+
+
+def _sigmoid_weights(router: torch.nn.Module, logits: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """GLM-4.5's (DeepSeek-V3's) weights: the experts' sigmoid scores (the correction bias only chooses), as its
+    config's norm_topk_prob says renormalized, times routed_scaling_factor."""
+    top = logits.float().sigmoid().gather(-1, used)
+    if router.norm_topk_prob:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * router.routed_scaling_factor
+
+
+# The routers tandem knows, by class name, each with how it weighs the experts it is given. Each returns (logits, the
+# chosen experts' weights, their indices). Qwen3-MoE and Mixtral choose the top-k of softmax(logits) in float32 and
+# differ only in whether the chosen weights are renormalized to sum to 1 (Qwen3-MoE: as its config's norm_topk_prob
+# says; Mixtral: always); GLM-4.5 chooses by sigmoid scores plus a correction bias within its best groups. A replayed
+# forward recomputes the weights the router's way from its own logits, so the gradient reaches the router through
+# the weights of the experts it was given, as it reaches it through those of the experts it chose.
+_WEIGHTS = {
+    "Qwen3MoeTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, bool(router.norm_topk_prob)),
+    "MixtralTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, True),
+    "Glm4MoeTopkRouter": _sigmoid_weights,
 }
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's MoE routers in layer order; empty for a dense model (or a router class tandem does not know)."""
-    return [m for m in model.modules() if type(m).__name__ in _RENORMALIZES]
+    return [m for m in model.modules() if type(m).__name__ in _WEIGHTS]
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -67,9 +83,8 @@ class Routing:
         self.routers = routers(model)
         if not self.routers:
             raise ValueError(f"{type(model).__name__}: no mixture-of-experts router tandem knows "
-                             f"({', '.join(sorted(_RENORMALIZES))})")
+                             f"({', '.join(sorted(_WEIGHTS))})")
         self.num_experts, self.top_k = int(self.routers[0].num_experts), int(self.routers[0].top_k)
-        self._renormalize = [_RENORMALIZES[type(r).__name__](r) for r in self.routers]
         self._record: Record | None = None
         self._replay: tuple[torch.Tensor, torch.Tensor] | None = None
         self._handles = [r.register_forward_hook(partial(self._hook, i)) for i, r in enumerate(self.routers)]
@@ -107,9 +122,7 @@ class Routing:
             raise ValueError(f"router replay: {routes.shape[0]} routed rows given, the router sees {chosen.shape[0]}")
         given = routes[:, layer].to(chosen.device, chosen.dtype)
         used = torch.where(routed.to(chosen.device)[:, None], given, chosen)
-        top = torch.softmax(logits.float(), dim=-1).gather(-1, used)
-        if self._renormalize[layer]:
-            top = top / top.sum(dim=-1, keepdim=True)
+        top = _WEIGHTS[type(router).__name__](router, logits, used)
         record.add(layer, chosen, used, logits)
         return logits, top.to(weights.dtype), used
 

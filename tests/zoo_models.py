@@ -43,6 +43,12 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
         "qwen3_moe": ("Qwen3MoeConfig", dict(c, head_dim=HEAD_DIM, **moe)),
         "mixtral": ("MixtralConfig", dict(c, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2,
                                           sliding_window=None)),
+        # GLM-4.5: a dense first layer, then routed experts beside a shared one, sigmoid scores with a correction
+        # bias (a buffer the checkpoint holds), q/k norms and a partial rotary
+        "glm4_moe": ("Glm4MoeConfig", dict(c, head_dim=HEAD_DIM, n_routed_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                                           n_group=1, topk_group=1, norm_topk_prob=True, partial_rotary_factor=0.5,
+                                           use_qk_norm=True)),
     }
 
 
@@ -55,7 +61,7 @@ def _tokenizer():
     return build_tokenizer(arithmetic.corpus(), 300)
 
 
-ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text")
+ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text", "glm4_moe")
 WINDOWED = ("gemma3_text",)  # with sliding-window layers: the hf engine's stream refuses them (vLLM streams them)
 
 

@@ -205,20 +205,21 @@ def test_a_vllm_stream_carries_a_sliding_window_model_across_an_update_exactly(t
 
 def test_expert_parallel_is_refused_before_any_model_loads_where_the_experts_cannot_be_split(zoo, tmp_path):
     """placement.expert_parallel needs a mixture of experts whose expert count it divides (read from config.json:
-    qwen3_moe's num_experts, mixtral's num_local_experts, 4 in the zoo)."""
+    qwen3_moe's num_experts, mixtral's num_local_experts, glm4_moe's n_routed_experts, 4 in the zoo)."""
     ray = ("placement.backend=ray", "placement.workers=4")
-    for arch in ("qwen3_moe", "mixtral"):
+    for arch in ("qwen3_moe", "mixtral", "glm4_moe"):
         check_supported(zoo_config(zoo[arch], tmp_path, *ray, "placement.expert_parallel=2"))
         check_supported(zoo_config(zoo[arch], tmp_path, *ray, "placement.expert_parallel=4"))
-    for arch in ("qwen3_moe", "mixtral"):
+    for arch in ("qwen3_moe", "mixtral", "glm4_moe"):
         config = json.loads((zoo[arch] / "config.json").read_text())
-        counts = {k: 6 for k in ("num_experts", "num_local_experts") if k in config}  # transformers 5 saves the latter
+        # transformers 5 saves num_local_experts for the first two
+        counts = {k: 6 for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config}
         assert counts, config
         odd = tmp_path / f"{arch}-6"
         odd.mkdir()
         (odd / "config.json").write_text(json.dumps(dict(config, **counts)))
         with pytest.raises(ConfigError, match=r"placement\.expert_parallel: 4 does not divide the model's "
-                                              r"num_(local_)?experts=6"):
+                                              r"(num_(local_)?experts|n_routed_experts)=6"):
             check_supported(zoo_config(odd, tmp_path, *ray, "placement.expert_parallel=4"))
     with pytest.raises(ConfigError, match=r"placement\.expert_parallel: 2, but model\.path is Qwen3 \('qwen3'\), "
                                           "not a mixture of experts"):

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
-from tandem.modeling import check_model_files
+from tandem.modeling import check_model_files, weightless_model
 from tandem.rollout.manifest import Digest, ManifestError, check_manifest, digest
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,6 +22,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # `block_sparse_moe.experts.3.w3.weight`): vLLM loads all of a layer's experts into one fused-MoE module (w13 and w2
 # over every expert), whose layer-wise reload on CPU rebuilds it only once all of them have arrived.
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
+
+
+def _persistent_buffers(model_path: str) -> set[str]:
+    """The names of the model's buffers that its checkpoint holds (its state_dict beyond its parameters)."""
+    model = weightless_model(model_path)
+    return set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
 class _Checkpoint:
@@ -48,6 +54,9 @@ class _Checkpoint:
             # A tied checkpoint omits lm_head, but a trainer's state_dict still lists it.
             self.shapes["lm_head.weight"] = self.shapes[self.embed_name]
         self.groups: dict[str, str] = {name: name.rpartition(".")[0] for name in self.shapes}
+        # The checkpoint's tensors the model holds as buffers (DeepSeek-V3's and GLM-4.5's routers' score correction
+        # bias): no trainer trains them, so no sync brings them, and the engine keeps the checkpoint's.
+        self.buffers = _persistent_buffers(model_path) & set(self.shapes)
 
     def set_packed(self, packed: dict[str, list[str]]) -> None:
         """Map each checkpoint tensor to the vLLM module it loads into (q/k/v -> qkv_proj, gate/up -> gate_up_proj;
@@ -65,7 +74,7 @@ class _Checkpoint:
     def members(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for name, group in self.groups.items():
-            if self.tied and name == "lm_head.weight":
+            if (self.tied and name == "lm_head.weight") or name in self.buffers:
                 continue
             out.setdefault(group, []).append(name)
         return out
@@ -84,7 +93,8 @@ class _Checkpoint:
     def manifest(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What a whole weight sync must bring: each checkpoint tensor's name, shape and the engine's dtype (a
         tied model's head once, as its embedding)."""
-        return {n: (s, self.dtype) for n, s in self.shapes.items() if not (self.tied and n == "lm_head.weight")}
+        return {n: (s, self.dtype) for n, s in self.shapes.items()
+                if not (self.tied and n == "lm_head.weight") and n not in self.buffers}
 
     def aliases(self) -> dict[str, str]:
         """Names accepted for another one: a tied model's head stands for its embedding."""
