@@ -188,6 +188,15 @@ class StreamRequests:
         """`key` out of the requests waiting, if it is there."""
         self.waiting = deque(r for r in self.waiting if r.key != key)
 
+    def _admit(self, slots: int) -> list[Request]:
+        """Waiting requests moved to running, oldest first, while `admitting` and fewer than `slots` run."""
+        new = []
+        while self.admitting and self.waiting and len(self.running) < slots:
+            r = self.waiting.popleft()
+            self.running[r.key] = r
+            new.append(r)
+        return new
+
 
 class HFStream(StreamRequests):
     """The hf engine's continuous batching: up to `slots` requests decode together, one token each per `step`; a
@@ -233,7 +242,7 @@ class HFStream(StreamRequests):
     def step(self, version: int) -> list[Finished]:
         """Admit waiting requests into free slots, then one token for every running one, tagged `version`; the
         requests that stopped (they have left their slots)."""
-        self._admit()
+        self._join()
         if not self.running:
             return []
         keys = list(self.decoder.rows)
@@ -276,13 +285,12 @@ class HFStream(StreamRequests):
             text = self.engine.tokenizer.decode(r.tokens, skip_special_tokens=True)
         return reason, text
 
-    def _admit(self) -> None:
-        free = self.decoder.slots - len(self.running)
-        if not (self.admitting and free and self.waiting):
+    def _join(self) -> None:
+        """Requests admitted into free slots, their prefixes prefilled."""
+        new = self._admit(self.decoder.slots)
+        if not new:
             return
-        new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
         for r in new:
-            self.running[r.key] = r
             gen = torch.Generator(device=self.engine.device).manual_seed(r.seed + 7919 * r.restarts)
             self.draws[r.key] = uniforms([gen], r.max_new_tokens, 1)[:, 0].tolist()
         logits = self.decoder.fill([r.key for r in new], [r.prefix for r in new])

@@ -2,8 +2,6 @@
 carry no gradient, turns of all conversations are batched, and every limit ends a conversation."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -12,21 +10,13 @@ from tandem.modeling import load_tokenizer
 from tandem.rollout.base import Completion, Sampling, Samples
 from tandem.rollout.hf import HFEngine
 from tandem.rollout.multiturn import TurnLimits, conversation_stats, converse
+from tandem.rollout.tools.base import StepResult
 from tandem.train.batch import make_micro_batches
 from tandem.train.logprobs import token_logprobs
 from tandem.train.policy import Policy
 
 SAMPLING = Sampling(n=2, temperature=1.0, max_new_tokens=5, seed=7)
 LIMITS = TurnLimits(3, 64)
-
-
-@dataclass
-class Step:
-    observation: str
-    reward: float | None
-    done: bool
-    tool: str | None = None
-    error: str | None = None
 
 
 class Echo:
@@ -41,11 +31,11 @@ class Echo:
     def reset(self, prompt: str) -> str:
         return ""
 
-    def step(self, turn_text: str) -> Step:
+    def step(self, turn_text: str) -> StepResult:
         self.seen += 1
         done = self.seen >= self.turns
-        return Step("" if done else self.observation, self.reward if done else None, done, None if done else "echo",
-                    None if done else self.error)
+        return StepResult("" if done else self.observation, self.reward if done else None, done,
+                          None if done else "echo", None if done else self.error)
 
 
 class CountingEngine:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,20 +15,12 @@ from tandem.modeling import load_tokenizer
 from tandem.rollout.hf import HFEngine
 from tandem.rollout.multiturn import TurnLimits, converse
 from tandem.rollout.tools import register_environment
+from tandem.rollout.tools.base import StepResult
 from tandem.run.source import sampling_for
 from tandem.workers.stream import StreamGroup, StreamSampler
 
 TURNS, TURN_TOKENS, TEMPERATURE = 3, 4, 0.8
 OBSERVATION = "<r>7</r>"
-
-
-@dataclass
-class Step:
-    observation: str
-    reward: float | None
-    done: bool
-    tool: str | None = None
-    error: str | None = None
 
 
 class Echo:
@@ -47,12 +38,12 @@ class Echo:
         self.prompt = prompt
         return ""
 
-    def step(self, turn_text: str) -> Step:
+    def step(self, turn_text: str) -> StepResult:
         if Echo.gate is not None and self.prompt == Echo.gated:
             assert Echo.gate.wait(30), "the gate was never opened"
         self.seen += 1
         done = self.seen >= TURNS
-        return Step("" if done else OBSERVATION, 1.0 if done else None, done, None if done else "echo")
+        return StepResult("" if done else OBSERVATION, 1.0 if done else None, done, None if done else "echo")
 
 
 register_environment("stream-test-echo")(Echo)

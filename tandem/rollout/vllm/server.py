@@ -196,14 +196,7 @@ class VLLMServerEngine:
 
         def run(key: tuple[int, int | None], items: list[tuple[int, list[int]]]) -> tuple[Any, list]:
             n, seed = key
-            kw = _sampling_kwargs(sampling, n, seed)
-            body = {
-                "model": self.model_name, "prompt": [ids for _, ids in items], "n": n,
-                "temperature": kw["temperature"], "top_p": kw["top_p"], "top_k": kw["top_k"],
-                "max_tokens": sampling.limit(items[0][0]), "stop": kw["stop"], "stop_token_ids": kw["stop_token_ids"],
-                "ignore_eos": kw["ignore_eos"], "seed": seed, "logprobs": 0, "return_token_ids": True,
-                "include_stop_str_in_output": True, "skip_special_tokens": True,
-            }
+            body = self.completion_body([ids for _, ids in items], sampling, n, seed, sampling.limit(items[0][0]))
             return self._post("/v1/completions", body), items
 
         # Requests run concurrently so that the server batches them (one per prompt when seeded).
@@ -223,6 +216,15 @@ class VLLMServerEngine:
         for i in range(len(prompts)):
             completions.extend(results.get(i, []))
         return completions
+
+    def completion_body(self, prompt: list, sampling: Sampling, n: int, seed: int | None, max_tokens: int) -> dict:
+        """A /v1/completions request of token-id `prompt` (one prompt, or a list of them): `n` samples each, seeded,
+        with each sampled token's id and processed logprob returned and the text ending after its stop string."""
+        kw = _sampling_kwargs(sampling, n, seed)
+        return {"model": self.model_name, "prompt": prompt, "n": n, "temperature": kw["temperature"],
+                "top_p": kw["top_p"], "top_k": kw["top_k"], "max_tokens": max_tokens, "stop": kw["stop"],
+                "stop_token_ids": kw["stop_token_ids"], "ignore_eos": kw["ignore_eos"], "seed": seed, "logprobs": 0,
+                "return_token_ids": True, "include_stop_str_in_output": True, "skip_special_tokens": True}
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As VLLMEngine.load_weights, over HTTP: buckets travel as base64 safetensors through /collective_rpc."""

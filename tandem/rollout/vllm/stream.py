@@ -16,7 +16,39 @@ from tandem.rollout.vllm.engine import VLLMEngine
 from tandem.rollout.vllm.sampling import _engine_only_kwargs, _finish, _sampling_kwargs
 
 
-class VLLMStream(StreamRequests):
+class _Resubmitting(StreamRequests):
+    """What both vLLM sessions share: their requests leave vLLM (`suspend`) and come back from their prefixes
+    (`reload`), each resubmission drawing from a seed of its own, and a finished request's text cut as vLLM cuts it."""
+
+    def __init__(self, engine, sampling: Sampling, slots: int):
+        super().__init__()
+        self.engine, self.sampling, self.slots = engine, sampling, slots
+        self.suspended = False  # the running requests are out of vLLM (`suspend`)
+
+    def resume(self) -> None:
+        """The running requests back into vLLM after a `suspend`, each from its prefix."""
+        if self.suspended:
+            self.reload()
+
+    def reload(self) -> None:
+        """Every running request again from its prefix, under the engine's weights now (each session's own way)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _seed(r: Request) -> int:
+        """A request resubmitted after a weight load draws on from a seed of its own (its tokens so far counted in)."""
+        return r.seed + 7919 * r.restarts + 104729 * len(r.tokens)
+
+    @staticmethod
+    def _finished(r: Request, tokenizer, reason: str | None, stop_reason) -> Finished:
+        """`r` stopped: its text decoded from its ids, cut just after the stop string it stopped at."""
+        text = tokenizer.decode(r.tokens, skip_special_tokens=True)
+        if reason == "stop" and isinstance(stop_reason, str):
+            text = text[: text.find(stop_reason) + len(stop_reason)]
+        return Finished(r, _finish(reason, f"stream request {r.key}"), text)
+
+
+class VLLMStream(_Resubmitting):
     """`tandem.rollout.stream.HFStream`'s session on a `VLLMEngine` (mode inprocess): up to `slots` requests in vLLM's
     scheduler at once, one `step` being one vLLM engine step (a token for each decoding request).
 
@@ -29,9 +61,7 @@ class VLLMStream(StreamRequests):
     def __init__(self, engine: VLLMEngine, sampling: Sampling, slots: int):
         if not isinstance(engine, VLLMEngine):
             raise ValueError("VLLMStream streams on the in-process vLLM engine (rollout.vllm.mode: inprocess)")
-        super().__init__()
-        self.engine, self.sampling, self.slots = engine, sampling, slots
-        self.suspended = False  # the running requests are out of vLLM's scheduler (`suspend`)
+        super().__init__(engine, sampling, slots)
         self._submitted: dict[str, tuple[Hashable, int]] = {}  # vLLM request id -> (key, tokens it held then)
         self._ids = itertools.count()
 
@@ -49,11 +79,6 @@ class VLLMStream(StreamRequests):
         self._abort(list(self.running))
         self.suspended = True
 
-    def resume(self) -> None:
-        """The running requests back into vLLM's scheduler after a `suspend`, each from its prefix."""
-        if self.suspended:
-            self.reload()
-
     def reload(self) -> None:
         """The engine's weights changed: every running request again from its prefix, under the new weights."""
         self._abort(list(self.running))
@@ -67,9 +92,7 @@ class VLLMStream(StreamRequests):
         """Admit waiting requests into free slots, then one engine step; its new tokens tagged `version`; the requests
         that stopped."""
         self.resume()
-        while self.admitting and self.waiting and len(self.running) < self.slots:
-            r = self.waiting.popleft()
-            self.running[r.key] = r
+        for r in self._admit(self.slots):
             self._submit(r)
         if not self.running:
             return []
@@ -88,10 +111,7 @@ class VLLMStream(StreamRequests):
             r.versions += [version] * len(new)
             if out.finished:
                 del self._submitted[out.request_id], self.running[key]
-                text = self.engine.tokenizer.decode(r.tokens, skip_special_tokens=True)
-                if c.finish_reason == "stop" and isinstance(c.stop_reason, str):  # cut just after the stop string
-                    text = text[: text.find(c.stop_reason) + len(c.stop_reason)]
-                done.append(Finished(r, _finish(c.finish_reason, f"stream request {key}"), text))
+                done.append(self._finished(r, self.engine.tokenizer, c.finish_reason, c.stop_reason))
         return done
 
     def _submit(self, r: Request) -> None:
@@ -102,9 +122,7 @@ class VLLMStream(StreamRequests):
         if len(r.prefix) >= self.engine.max_model_len:
             raise ValueError(f"stream request {r.key}: {len(r.prefix)} tokens; max_model_len is "
                              f"{self.engine.max_model_len}")
-        # A request resubmitted after a weight load draws on from a seed of its own (its tokens so far counted in).
-        seed = r.seed + 7919 * r.restarts + 104729 * len(r.tokens)
-        kwargs = dict(_sampling_kwargs(self.sampling, 1, seed), max_tokens=r.max_new_tokens - len(r.tokens))
+        kwargs = dict(_sampling_kwargs(self.sampling, 1, self._seed(r)), max_tokens=r.max_new_tokens - len(r.tokens))
         rid = f"tandem-stream-{next(self._ids)}"
         self.engine.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=r.prefix),
                                                SamplingParams(**kwargs, **_engine_only_kwargs(self.sampling)),
@@ -123,7 +141,7 @@ STEP_WAIT_S = 0.05  # ServerStream.step: the longest it waits for a token to arr
 RESET_TIMEOUT_S = 30.0  # ServerStream.reload: how long the server may take to free the aborted requests' blocks
 
 
-class ServerStream(StreamRequests):
+class ServerStream(_Resubmitting):
     """`VLLMStream`'s session on a vLLM server (`VLLMServerEngine`): each running request is one streamed
     /v1/completions request on a thread of its own, and a `step` hands on the tokens that arrived since the last one
     (waiting up to STEP_WAIT_S for one), tagged with the version the sampler holds.
@@ -139,10 +157,8 @@ class ServerStream(StreamRequests):
 
         if not isinstance(engine, VLLMServerEngine):
             raise ValueError("ServerStream streams on a vLLM server (rollout.vllm.mode: server)")
-        super().__init__()
-        self.engine, self.sampling, self.slots = engine, sampling, slots
+        super().__init__(engine, sampling, slots)
         self.tokenizer = load_tokenizer(engine.model_path)  # the finished texts, decoded from the ids as vLLM does
-        self.suspended = False
         self.version = 0  # the version of the last step: what tokens that arrive before a load were sampled by
         self._calls: dict[Hashable, _StreamedCall] = {}
         self._inbox: dict[Hashable, list[tuple]] = {}  # key -> chunks arrived: (ids, logprobs, finish, stop reason)
@@ -160,10 +176,6 @@ class ServerStream(StreamRequests):
         self._stop(list(self._calls))
         self._take(self.version)
         self.suspended = True
-
-    def resume(self) -> None:
-        if self.suspended:
-            self.reload()
 
     def reload(self) -> None:
         """Every running request again from its prefix, under the server's weights now."""
@@ -183,9 +195,7 @@ class ServerStream(StreamRequests):
         `version`; the requests that stopped."""
         self.version = version
         self.resume()
-        while self.admitting and self.waiting and len(self.running) < self.slots:
-            r = self.waiting.popleft()
-            self.running[r.key] = r
+        for r in self._admit(self.slots):
             self._submit(r)
         if not self.running:
             return []
@@ -213,21 +223,12 @@ class ServerStream(StreamRequests):
                 if call is not None:
                     call.join()
                 del self.running[key]
-                text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
-                if finish == "stop" and isinstance(stop_reason, str):  # cut just after the stop string
-                    text = text[: text.find(stop_reason) + len(stop_reason)]
-                done.append(Finished(r, _finish(finish, f"stream request {key}"), text))
+                done.append(self._finished(r, self.tokenizer, finish, stop_reason))
         return done
 
     def _submit(self, r: Request) -> None:
-        seed = r.seed + 7919 * r.restarts + 104729 * len(r.tokens)  # as VLLMStream's
-        kw = _sampling_kwargs(self.sampling, 1, seed)
-        body = {"model": self.engine.model_name, "prompt": r.prefix, "n": 1, "temperature": kw["temperature"],
-                "top_p": kw["top_p"], "top_k": kw["top_k"], "max_tokens": r.max_new_tokens - len(r.tokens),
-                "stop": kw["stop"], "stop_token_ids": kw["stop_token_ids"], "ignore_eos": kw["ignore_eos"],
-                "seed": seed, "logprobs": 0, "return_token_ids": True, "include_stop_str_in_output": True,
-                "skip_special_tokens": True, "stream": True}
-        call = _StreamedCall(self, r.key, body)
+        body = self.engine.completion_body(r.prefix, self.sampling, 1, self._seed(r), r.max_new_tokens - len(r.tokens))
+        call = _StreamedCall(self, r.key, dict(body, stream=True))
         self._calls[r.key] = call
         call.start()
 
