@@ -55,25 +55,32 @@ def test_server_generates_and_updates_weights(tiny_models, tmp_path):
 
 
 def _streams_across_an_update(eng, hf, prompts: list[list[int]]) -> None:
-    """placement.schedule: stream on the server: three requests on two slots, streamed; after a few steps new
-    weights land (the stream suspended first, as the rollout worker does), and each request running is resubmitted
-    with its tokens so far: the tokens after the update carry version 1 and the new weights' logprobs over the whole
-    sequence (within float32's 1e-5), those before version 0 and the old weights'."""
+    """placement.schedule: stream on the server, three requests on two slots. Request 0 (long) runs on across an
+    update: new weights land (the stream suspended first, as the rollout worker does) and it is resubmitted with its
+    tokens so far; its tokens after the update carry version 1 and the new weights' logprobs over the whole sequence
+    (within float32's 1e-5), those before version 0 and the old weights'. Request 1 finishes on the server just before
+    the suspend, its last tokens not yet taken: the next step hands it on whole, of version 0. Request 2 waits for
+    its slot and is all version 1."""
     import copy
 
     from tandem.rollout.stream import Request
     from tandem.rollout.vllm.stream import ServerStream
 
     stream = ServerStream(eng, Sampling(n=1, temperature=0.8, max_new_tokens=24, ignore_eos=True), slots=2)
-    for i, p in enumerate(prompts):
-        stream.add(Request(i, p, 24, seed=i))
+    stream.add(Request(0, prompts[0], 128, seed=0))
     done = []
-    while not all(len(r.tokens) >= 4 for r in stream.running.values()) or len(stream.running) < 2:
+    while not stream.running or len(stream.running[0].tokens) < 4:
         done += stream.step(0)
+    stream.add(Request(1, prompts[1], 24, seed=1))
+    stream.add(Request(2, prompts[2], 24, seed=2))
+    done += stream.step(0)  # request 1 submitted (it cannot sample 24 tokens before request 0's next token arrives)
     old = copy.deepcopy(hf)
     g = torch.Generator().manual_seed(5)
     new = {n: t + 0.3 * max(t.std().item(), 0.02) * torch.randn(t.shape, generator=g)
            for n, t in hf.state_dict().items() if n != "lm_head.weight"}
+    assert 1 in stream.running and not done
+    stream._calls[1].join(60)  # request 1 done on the server, its last chunk waiting in the inbox
+    assert not stream._calls[1].is_alive()
     stream.suspend()
     eng.load_weights(new.items())
     hf.load_state_dict(new, strict=False)
@@ -81,8 +88,9 @@ def _streams_across_an_update(eng, hf, prompts: list[list[int]]) -> None:
     while stream.in_flight:
         done += stream.step(1)
     requests = sorted((f.request for f in done), key=lambda r: r.key)
-    assert [(r.key, len(r.tokens)) for r in requests] == [(0, 24), (1, 24), (2, 24)]
-    assert requests[2].versions == [1] * 24  # it waited for a slot
+    assert [(r.key, len(r.tokens)) for r in requests] == [(0, 128), (1, 24), (2, 24)]
+    assert requests[1].versions == [0] * 24 and requests[2].versions == [1] * 24
+    assert 0 in requests[0].versions and 1 in requests[0].versions  # carried across the update
     for r in requests:
         v, lp = torch.tensor(r.versions), torch.tensor(r.logprobs)
         assert r.versions == sorted(r.versions)
@@ -90,4 +98,3 @@ def _streams_across_an_update(eng, hf, prompts: list[list[int]]) -> None:
             ref = hf_logprobs(model, r.prompt_ids, r.tokens, 0.8)
             if (v == version).any():
                 assert (ref - lp)[v == version].abs().max() < 1e-5, (r.key, version)
-    assert any(0 in r.versions and 1 in r.versions for r in requests)  # carried across the update

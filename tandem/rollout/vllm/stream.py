@@ -163,18 +163,28 @@ class ServerStream(_Resubmitting):
         self._calls: dict[Hashable, _StreamedCall] = {}
         self._inbox: dict[Hashable, list[tuple]] = {}  # key -> chunks arrived: (ids, logprobs, finish, stop reason)
         self._arrived = threading.Condition()
+        self._stopped: list[Finished] = []  # requests whose last chunk `suspend` took: the next `step` hands them on
+
+    @property
+    def in_flight(self) -> int:
+        return super().in_flight + len(self._stopped)
+
+    def requests(self) -> list[Request]:
+        return super().requests() + [f.request for f in self._stopped]
 
     def discard(self, key: Hashable) -> None:
         if key in self.running:
             self._stop([key])
             self._inbox.pop(key, None)
             del self.running[key]
+        self._stopped = [f for f in self._stopped if f.request.key != key]
         self._unqueue(key)
 
     def suspend(self) -> None:
-        """Every running request's connection closed (the server aborts it), the tokens it sent kept."""
+        """Every running request's connection closed (the server aborts it), the tokens it sent kept; a request that
+        finished before its connection closed is handed on by the next `step`."""
         self._stop(list(self._calls))
-        self._take(self.version)
+        self._stopped += self._take(self.version)
         self.suspended = True
 
     def reload(self) -> None:
@@ -197,12 +207,13 @@ class ServerStream(_Resubmitting):
         self.resume()
         for r in self._admit(self.slots):
             self._submit(r)
+        done, self._stopped = self._stopped, []
         if not self.running:
-            return []
+            return done
         with self._arrived:
-            if not self._inbox:
+            if not self._inbox and not done:
                 self._arrived.wait(STEP_WAIT_S)
-        return self._take(version)
+        return done + self._take(version)
 
     def _take(self, version: int) -> list[Finished]:
         with self._arrived:
