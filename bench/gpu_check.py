@@ -26,6 +26,8 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
   stream-split    the stream with a vLLM sampler in split placement (2 GPUs): requests carried across weight loads
   lora-vllm       LoRA served by vLLM itself (split, the adapter only on the wire; 2 GPUs): logprob_diff
   moe-sync        a tiny Qwen3-MoE with vLLM in process: the per-expert conversion on CUDA, logprob_diff
+  hybrid-vllm     a tiny Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet layers) with vLLM in process: logprob_diff after each
+                  sync (the dry run: refused before any model loads, as the support table says vLLM-CPU cannot)
   bf16-bound      model.dtype bfloat16 with vLLM: the logprob gap measured against rollout.max_logprob_diff 'auto'
   memory          bench/bench_memory.py on CUDA: the GRPO peak against plain fine-tuning's
   trl-vllm        bench/bench_trl.py's large workload in bf16 on the GPU, TRL and tandem each sampling with vLLM in
@@ -290,6 +292,28 @@ def check_moe(work: Path) -> str:
 
     model = zoo_models.build(work / "moe", "qwen3_moe")
     return _logprob_gap(_run(model, work / "run", "rollout.engine=vllm", steps=2))
+
+
+@check("hybrid-vllm")
+def check_hybrid_vllm(work: Path) -> str:
+    import zoo_models
+
+    from tandem.architectures import SUPPORT
+    from tandem.config import ConfigError
+
+    gaps = []
+    for arch in zoo_models.HYBRID:
+        model = zoo_models.build(work / arch, arch)
+        if DRY:  # vLLM-CPU cannot run it: the refusal comes before any model loads
+            try:
+                _run(model, work / arch / "run", "rollout.engine=vllm", steps=1)
+            except ConfigError as exc:
+                assert SUPPORT[arch].cpu_vllm in str(exc), exc
+                gaps.append(f"{arch} refused on the CPU")
+                continue
+            raise AssertionError(f"{arch} with vLLM on the CPU was not refused")
+        gaps.append(f"{arch}: " + _logprob_gap(_run(model, work / arch / "run", "rollout.engine=vllm", steps=2)))
+    return "; ".join(gaps)
 
 
 @check("bf16-bound")

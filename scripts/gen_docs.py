@@ -96,7 +96,8 @@ def architectures_block() -> str:
            "mixture of experts | `placement.schedule: stream` |", "|---|---|---|---|---|"]
     for kind, s in SUPPORT.items():
         parameters = ", ".join(f"`{p}`" for p in s.lora_parameters) or "none"
-        stream = "vLLM (hf: refused, sliding-window layers)" if s.local_layers else "yes"
+        stream = ("vLLM (hf: refused, sliding-window layers)" if s.local_layers else
+                  "vLLM (hf: refused, linear-attention layers)" if s.linear_attention else "yes")
         out.append(f"| `{kind}` | {', '.join(f'`{m}`' for m in s.lora)} | {parameters} | "
                    f"{'yes' if s.experts else 'no'} | {stream} |")
     return "\n".join(out)

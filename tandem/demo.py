@@ -1,5 +1,5 @@
-"""Builds the demos' own models (no downloads): tiny tokenizers and Qwen2s (or a Qwen3-MoE), warm-started on the
-arithmetic task or on the calculator-tool multiplication task, cached."""
+"""Builds the demos' own models (no downloads): tiny tokenizers and Qwen2s (or a Qwen3-MoE, a Qwen3.5), warm-started
+on the arithmetic task or on the calculator-tool multiplication task, cached."""
 from __future__ import annotations
 
 import hashlib
@@ -68,8 +68,22 @@ class MoEDemoSpec(DemoModelSpec):
     head_dim: int = 32  # Qwen3 sets it apart from hidden / heads; vLLM-CPU's attention wants >= 32
 
 
+@dataclass(frozen=True)
+class HybridDemoSpec(DemoModelSpec):
+    """The demo's model as a tiny Qwen3.5 (`examples/qwen3_5.yaml`): Gated DeltaNet layers (linear attention: a
+    recurrent state and a short convolution), then one gated full-attention layer, three to one as in the released
+    checkpoints."""
+
+    layers: int = 4
+    head_dim: int = 32  # the full-attention layer's
+    linear_key_heads: int = 2
+    linear_value_heads: int = 4  # more value heads than key heads, as Qwen3.5's
+    linear_head_dim: int = 32
+    conv_kernel: int = 4
+
+
 # `model.path: demo:<name>` in a preset asks `tandem demo` for one of its models other than the default dense one
-DEMO_MODELS = {"qwen3_moe": MoEDemoSpec}
+DEMO_MODELS = {"qwen3_moe": MoEDemoSpec, "qwen3_5": HybridDemoSpec}
 
 
 def cache_root() -> Path:
@@ -97,6 +111,8 @@ def build_model(spec: DemoShape, tokenizer):
 
     if isinstance(spec, MoEDemoSpec):
         return _build_moe(spec, tokenizer)
+    if isinstance(spec, HybridDemoSpec):
+        return _build_hybrid(spec, tokenizer)
     cfg = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
@@ -121,6 +137,23 @@ def _build_moe(spec: MoEDemoSpec, tokenizer):
     )
     torch.manual_seed(spec.seed)
     return Qwen3MoeForCausalLM(cfg)
+
+
+def _build_hybrid(spec: HybridDemoSpec, tokenizer):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size, layer_types=["linear_attention"] * (spec.layers - 1)
+        + ["full_attention"], linear_num_key_heads=spec.linear_key_heads,
+        linear_num_value_heads=spec.linear_value_heads, linear_key_head_dim=spec.linear_head_dim,
+        linear_value_head_dim=spec.linear_head_dim, linear_conv_kernel_dim=spec.conv_kernel,
+        max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen3_5ForCausalLM(cfg)
 
 
 def greedy_answers(model, tokenizer, rows: list[dict]) -> list[str]:
@@ -216,7 +249,7 @@ def demo_model(spec: DemoModelSpec = DemoModelSpec(), root: Path | None = None) 
         figures = {"warm_start_accuracy": acc, "teacher_agreement": agree, "warm_start_steps": steps}
         return model, tokenizer, figures | ({} if sampled is None else {"sampled_teacher_agreement": sampled})
 
-    name = "demo-moe" if isinstance(spec, MoEDemoSpec) else "demo"
+    name = {MoEDemoSpec: "demo-moe", HybridDemoSpec: "demo-qwen3_5"}.get(type(spec), "demo")
     return cached_model(name, spec, build, root, lambda f: f"warm start {100 * f['warm_start_accuracy']:.1f}% in "
                                                          f"{f['warm_start_steps']} steps")
 

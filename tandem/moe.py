@@ -33,6 +33,7 @@ _WEIGHTS = {
     "Qwen3MoeTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, bool(router.norm_topk_prob)),
     "MixtralTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, True),
     "Glm4MoeTopkRouter": _sigmoid_weights,
+    "Qwen3_5MoeTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, True),
 }
 
 

@@ -20,6 +20,8 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
     c = _common(vocab, eos, pad)
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
                norm_topk_prob=True)
+    hybrid = dict(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
     return {
         # Llama 3: GQA and its rope scaling (the 3.1 kind)
         "llama": ("LlamaConfig", dict(c, head_dim=HEAD_DIM, rope_theta=500000.0, rope_scaling={
@@ -49,6 +51,12 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
                                            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                                            n_group=1, topk_group=1, norm_topk_prob=True, partial_rotary_factor=0.5,
                                            use_qk_norm=True)),
+        # Qwen3.5: a Gated DeltaNet layer (linear attention: a recurrent state and a short causal convolution, more
+        # value heads than key heads) and a gated full-attention layer (q/k norms, a partial rotary)
+        "qwen3_5_text": ("Qwen3_5TextConfig", dict(c, head_dim=HEAD_DIM, **hybrid)),
+        "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(c, head_dim=HEAD_DIM, **hybrid, num_experts=4,
+                                                          num_experts_per_tok=2, moe_intermediate_size=32,
+                                                          shared_expert_intermediate_size=32)),
     }
 
 
@@ -61,8 +69,10 @@ def _tokenizer():
     return build_tokenizer(arithmetic.corpus(), 300)
 
 
-ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text", "glm4_moe")
+ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text", "glm4_moe",
+                 "qwen3_5_text", "qwen3_5_moe_text")
 WINDOWED = ("gemma3_text",)  # with sliding-window layers: the hf engine's stream refuses them (vLLM streams them)
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")  # with linear-attention layers: the hf engine's stream refuses them
 
 
 def build(folder: Path, model_type: str, seed: int = 0) -> Path:

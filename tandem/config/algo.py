@@ -42,8 +42,9 @@ class BatchConfig(Section):
     )
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one forward/backward (prompt + completion tokens, after padding "
-        "inside the micro-batch; where the trainer runs each prompt once, Qwen2/Llama trained by one process with "
-        "no FSDP or TP mesh, a prompt counts once for all its rows there). Bounds memory; does not change the result.",
+        "inside the micro-batch; where the trainer runs each prompt once, Qwen2/Llama/Qwen3.5 trained by one process "
+        "with no FSDP or TP mesh, a prompt counts once for all its rows there). Bounds memory; does not change the "
+        "result.",
     )
 
 

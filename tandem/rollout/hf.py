@@ -174,7 +174,7 @@ class HFEngine:
         del out
         if shares(self.model, n):
             return logits, next_pos, SharedPromptDecoder(self.model, cache, n, most, attn).step
-        cache.batch_repeat_interleave(n)
+        _repeat_rows(cache, n)
         seen = [attn.repeat_interleave(n, dim=0)]  # the rows' attention mask so far (a step adds a column)
 
         def step(tok: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -300,3 +300,18 @@ class HFEngine:
     def close(self) -> None:
         self.model = None
         self._params = {}
+
+
+def _repeat_rows(cache, n: int) -> None:
+    """Each row of a prefill's cache `n` times over, in place: an attention layer's keys and values, a linear-attention
+    layer's (Qwen3.5's Gated DeltaNet) recurrent state and convolution window, which transformers' own
+    `batch_repeat_interleave` leaves out."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            states = [t for t in (*layer.conv_states.values(), *layer.recurrent_states.values()) if t is not None]
+            if states:
+                layer.reorder_cache(torch.arange(states[0].shape[0]).repeat_interleave(n))
+        if isinstance(layer, DynamicLayer):
+            DynamicLayer.batch_repeat_interleave(layer, n)

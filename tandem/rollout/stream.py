@@ -8,7 +8,7 @@ from typing import Hashable
 
 import torch
 
-from tandem.architectures import SUPPORT, sliding_window_layers
+from tandem.architectures import SUPPORT, linear_attention_layers, sliding_window_layers
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine, _draw, uniforms
 
@@ -43,8 +43,10 @@ class Finished:
 
 def streams(model) -> bool:
     """Whether the hf engine streams this model: an architecture of the zoo whose layers all attend to every position
-    (tandem.architectures' `_check_stream` says why, before any model loads)."""
-    return model.config.model_type in SUPPORT and not sliding_window_layers(model.config.to_dict())
+    through a KV cache (tandem.architectures' `_check_stream` says why, before any model loads)."""
+    config = model.config.to_dict()
+    return (model.config.model_type in SUPPORT and not sliding_window_layers(config)
+            and not linear_attention_layers(config))
 
 
 FILL_PADDING = 1.25  # SlotDecoder.fill: the most padded positions a prefill batch may run per real one

@@ -3,6 +3,7 @@ routing statistics of an MoE's forward. Pure functions of a model and tensors: n
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import LinearAttentionLayer
 
 from tandem import moe
 from tandem.algo import entropy_from_logprobs
@@ -78,8 +79,11 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, t
 
 def shares_prompts(model) -> bool:
     """Architectures whose prompt-once logprobs are tested equal to the full forward's: Llama-family models with
-    full attention everywhere (a sliding-window cache would crop the prompt's keys)."""
+    full attention everywhere (a sliding-window cache would crop the prompt's keys), and Qwen3.5's hybrid of full
+    attention and Gated DeltaNet (the prompt's recurrent state and convolution window carried to its rows)."""
     cfg = model.config
+    if cfg.model_type == "qwen3_5_text":
+        return True
     if cfg.model_type not in ("qwen2", "llama"):
         return False
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
@@ -91,23 +95,43 @@ def _shared_prompt_logprobs(model, mb: MicroBatch, temperature: float, with_entr
     """`token_logprobs` the prompt-once way: the distinct prompts first, then, for each bucket of rows of similar
     width, the rows' prompt-last token and completion on top of their prompts' keys and values (selected by index,
     so differentiable: the gradients of all a prompt's completions add up in its activations). Buckets spare the
-    padding of short completions next to long ones."""
+    padding of short completions next to long ones.
+
+    A linear-attention layer (Qwen3.5's Gated DeltaNet) carries its prompt's recurrent state and convolution window
+    instead of keys and values, and reads every position in order: padding between a prompt and its row would decay
+    the state and enter the window. There each row's tokens run left-aligned, right after its prompt (padding after
+    them, which nothing real reads), and their logprobs are moved back right-aligned."""
     from transformers import DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     sp, T = mb.shared, mb.width
     prompts = DynamicCache(config=model.config)
     model(input_ids=sp.ids, attention_mask=sp.attention_mask, position_ids=sp.position_ids, past_key_values=prompts,
           use_cache=True, logits_to_keep=1)
+    linear = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in prompts.layers)
     parts, order = [], []
     for rows, width in sp.buckets:
         of_row, cols = sp.of_row[rows], slice(T - width, T)
-        cache = DynamicCache([(layer.keys[of_row], layer.values[of_row]) for layer in prompts.layers],
-                             config=model.config)
-        attention = torch.cat([sp.attention_mask[of_row], sp.inputs_mask[rows, cols]], dim=1)
-        logits = model(input_ids=sp.inputs[rows, cols], attention_mask=attention,
-                       position_ids=sp.inputs_positions[rows, cols], past_key_values=cache, use_cache=True).logits
-        logp, entropy = _logprobs(logits, mb.targets[rows, cols], mb.mask[rows, cols], temperature, with_entropy,
-                                  entropy_grad)
+        cache = DynamicCache(config=model.config)
+        for i, held in enumerate(prompts.layers):
+            if isinstance(held, LinearAttentionCacheLayerMixin):
+                cache.layers[i] = _CarriedState.of_rows(held, of_row)
+            else:
+                cache.layers[i].update(held.keys[of_row], held.values[of_row])
+        inputs, mask, positions = sp.inputs[rows, cols], sp.inputs_mask[rows, cols], sp.inputs_positions[rows, cols]
+        targets, loss_mask = mb.targets[rows, cols], mb.mask[rows, cols]
+        if linear:  # left-aligned: each row's first token right after its prompt
+            shift = width - mask.sum(1, keepdim=True)
+            left = (torch.arange(width, device=mask.device) + shift) % width
+            inputs, mask, positions, targets, loss_mask = (x.gather(1, left) for x in (inputs, mask, positions,
+                                                                                           targets, loss_mask))
+        attention = torch.cat([sp.attention_mask[of_row], mask], dim=1)
+        logits = model(input_ids=inputs, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                       use_cache=True).logits
+        logp, entropy = _logprobs(logits, targets, loss_mask, temperature, with_entropy, entropy_grad)
+        if linear:  # back right-aligned, as the micro-batch's columns are
+            right = (torch.arange(width, device=mask.device) - shift) % width
+            logp, entropy = logp.gather(1, right), None if entropy is None else entropy.gather(1, right)
         parts.append((logp, entropy))
         order.append(rows)
     if len(parts) == 1:  # every row, in order, as wide as the batch (T is the widest row)
@@ -117,3 +141,30 @@ def _shared_prompt_logprobs(model, mb: MicroBatch, temperature: float, with_entr
     logp = torch.cat([left(lp) for lp, _ in parts])[back]
     entropy = torch.cat([left(e) for _, e in parts])[back] if with_entropy else None
     return logp, entropy
+
+
+class _CarriedState(LinearAttentionLayer):
+    """A linear-attention layer's cache for rows run on top of their prompts: each row's prompt's recurrent state and
+    convolution window, selected by index from the prompts' pass (so differentiable), then replaced, never written in
+    place (transformers' own layer copies into its tensors, which the backward of the prompts' pass still reads)."""
+
+    @classmethod
+    def of_rows(cls, held: LinearAttentionLayer, of_row: torch.Tensor) -> "_CarriedState":
+        layer = cls(number_of_states=held.number_of_states)
+        for i in range(held.number_of_states):
+            layer.conv_states[i] = held.conv_states[i][of_row]
+            layer.recurrent_states[i] = held.recurrent_states[i][of_row]
+            layer.conv_kernel_size[i] = held.conv_kernel_size[i]
+            layer.is_conv_states_initialized[i] = layer.is_recurrent_states_initialized[i] = True
+            layer.has_previous_state[i] = True
+        layer.device, layer.dtype = held.device, held.dtype
+        return layer
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        window = torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
+        self.conv_states[state_idx] = window[..., -self.conv_kernel_size[state_idx]:]
+        return window
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states

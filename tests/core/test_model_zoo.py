@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -97,6 +98,10 @@ def _lora_steps(model: Path, tmp_path: Path, engine: str) -> None:
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 @pytest.mark.parametrize("arch", zoo_models.ARCHITECTURES)
 def test_grpo_step_with_vllm_and_logprobs_after_sync(zoo, arch, tmp_path):
+    if SUPPORT[arch].cpu_vllm and not torch.cuda.is_available():  # (bench/gpu_check.py runs it on a GPU)
+        with pytest.raises(ConfigError, match=r"rollout\.engine: vllm on a machine without a GPU: vLLM-CPU"):
+            check_supported(zoo_config(zoo[arch], tmp_path, "rollout.engine=vllm"))
+        return
     steps = grpo_steps(zoo[arch], tmp_path / "run", "vllm")
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["logprob_diff"] <= LOGPROB_DIFF for r in steps), steps
@@ -104,9 +109,18 @@ def test_grpo_step_with_vllm_and_logprobs_after_sync(zoo, arch, tmp_path):
 
 def test_every_zoo_architecture_passes_every_placement_and_one_outside_it_is_refused(zoo, tmp_path):
     for arch in (a for a in SUPPORT if a in zoo):
-        for extra in (("rollout.engine=vllm",),
-                      ("placement.backend=ray", "placement.workers=2", "placement.tensor_parallel=2")):
-            check_supported(zoo_config(zoo[arch], tmp_path, *extra))
+        for extra, what in ((("rollout.engine=vllm",), "rollout.engine: vllm"),
+                            (("placement.backend=ray", "placement.workers=2", "placement.tensor_parallel=2"),
+                             "placement.tensor_parallel > 1")):
+            refused = dict(SUPPORT[arch].refused)
+            if what in refused:  # the table's refusal, with its reason
+                with pytest.raises(ConfigError, match=f"{re.escape(what)} is refused: {re.escape(refused[what])}"):
+                    check_supported(zoo_config(zoo[arch], tmp_path, *extra))
+            elif what == "rollout.engine: vllm" and SUPPORT[arch].cpu_vllm and not torch.cuda.is_available():
+                with pytest.raises(ConfigError, match=re.escape(SUPPORT[arch].cpu_vllm)):
+                    check_supported(zoo_config(zoo[arch], tmp_path, *extra))
+            else:
+                check_supported(zoo_config(zoo[arch], tmp_path, *extra))
     # an architecture outside the zoo: the embedded engine in one process only
     config = json.loads((zoo["llama"] / "config.json").read_text())
     other = tmp_path / "other"
@@ -123,10 +137,15 @@ def test_the_stream_schedule_takes_every_zoo_architecture_and_refuses_what_it_ca
     the zoo, router replay (the stream records no routes)."""
     stream = ("placement.schedule=stream",)
     assert {a for a, s in SUPPORT.items() if s.local_layers} == set(zoo_models.WINDOWED)  # the table says so too
+    assert {a for a, s in SUPPORT.items() if s.linear_attention} == set(zoo_models.HYBRID)
     for arch in (a for a in SUPPORT if a in zoo):
-        check_supported(zoo_config(zoo[arch], tmp_path, *stream, "rollout.engine=vllm"))
+        if not SUPPORT[arch].cpu_vllm or torch.cuda.is_available():
+            check_supported(zoo_config(zoo[arch], tmp_path, *stream, "rollout.engine=vllm"))
         if arch in zoo_models.WINDOWED:  # Gemma 3's local layers
             with pytest.raises(ConfigError, match="has sliding-window attention layers"):
+                check_supported(zoo_config(zoo[arch], tmp_path, *stream))
+        elif arch in zoo_models.HYBRID:  # Qwen3.5's Gated DeltaNet layers
+            with pytest.raises(ConfigError, match=r"has linear-attention layers \(a recurrent state, not a KV cache\)"):
                 check_supported(zoo_config(zoo[arch], tmp_path, *stream))
         else:
             check_supported(zoo_config(zoo[arch], tmp_path, *stream))
@@ -207,10 +226,10 @@ def test_expert_parallel_is_refused_before_any_model_loads_where_the_experts_can
     """placement.expert_parallel needs a mixture of experts whose expert count it divides (read from config.json:
     qwen3_moe's num_experts, mixtral's num_local_experts, glm4_moe's n_routed_experts, 4 in the zoo)."""
     ray = ("placement.backend=ray", "placement.workers=4")
-    for arch in ("qwen3_moe", "mixtral", "glm4_moe"):
+    for arch in (a for a in zoo_models.ARCHITECTURES if SUPPORT[a].experts):
         check_supported(zoo_config(zoo[arch], tmp_path, *ray, "placement.expert_parallel=2"))
         check_supported(zoo_config(zoo[arch], tmp_path, *ray, "placement.expert_parallel=4"))
-    for arch in ("qwen3_moe", "mixtral", "glm4_moe"):
+    for arch in (a for a in zoo_models.ARCHITECTURES if SUPPORT[a].experts):
         config = json.loads((zoo[arch] / "config.json").read_text())
         # transformers 5 saves num_local_experts for the first two
         counts = {k: 6 for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config}
@@ -292,6 +311,11 @@ def _reloads(policy) -> bool:
     return all(torch.equal(back[k], v) for k, v in shifted.items())
 
 
+def _refuses_tp(arch: str) -> bool:
+    """The support table refuses TP for it (another test checks the refusal and its reason)."""
+    return "placement.tensor_parallel > 1" in dict(SUPPORT[arch].refused)
+
+
 def _worker(rank: int, port: int, dirs: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
@@ -303,6 +327,8 @@ def _worker(rank: int, port: int, dirs: dict[str, str], out: str) -> None:
     for arch, path in dirs.items():
         result[arch] = {}
         for layout, (dp, tp) in (("fsdp", (2, 1)), ("tp", (1, 2))):
+            if layout == "tp" and _refuses_tp(arch):
+                continue
             try:
                 rows = [[0, 1], [2, 3]][rank] if dp == 2 else None
                 losses, policy = _one_update(path, build_mesh([0, 1], dp, tp, "cpu"), rows)
@@ -331,7 +357,7 @@ def test_one_update_under_fsdp_and_tp_matches_one_process(zoo, tmp_path, monkeyp
     for arch, path in dirs.items():
         single, policy = _one_update(path)
         weights = policy.full_state_dict()
-        for layout in ("fsdp", "tp"):
+        for layout in ("fsdp",) if _refuses_tp(arch) else ("fsdp", "tp"):
             for res in results:
                 got = res[arch][layout]
                 assert not isinstance(got, str), f"{arch} under {layout}: {got}"
