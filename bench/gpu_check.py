@@ -26,6 +26,8 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
   stream-split    the stream with a vLLM sampler in split placement (2 GPUs): requests carried across weight loads
   lora-vllm       LoRA served by vLLM itself (split, the adapter only on the wire; 2 GPUs): logprob_diff
   moe-sync        a tiny Qwen3-MoE with vLLM in process: the per-expert conversion on CUDA, logprob_diff
+  gpt-oss-sync    a tiny gpt-oss with vLLM in process: its attention sinks and biased experts reach the GPU kernels
+                  on each sync (in place, vLLM's own loader; on the CPU tandem reloads them after vLLM's reload)
   bf16-bound      model.dtype bfloat16 with vLLM: the logprob gap measured against rollout.max_logprob_diff 'auto'
   memory          bench/bench_memory.py on CUDA: the GRPO peak against plain fine-tuning's
   trl-vllm        bench/bench_trl.py's large workload in bf16 on the GPU, TRL and tandem each sampling with vLLM in
@@ -289,6 +291,14 @@ def check_moe(work: Path) -> str:
     import zoo_models
 
     model = zoo_models.build(work / "moe", "qwen3_moe")
+    return _logprob_gap(_run(model, work / "run", "rollout.engine=vllm", steps=2))
+
+
+@check("gpt-oss-sync")
+def check_gpt_oss(work: Path) -> str:
+    import zoo_models
+
+    model = zoo_models.build(work / "gpt-oss", "gpt_oss")
     return _logprob_gap(_run(model, work / "run", "rollout.engine=vllm", steps=2))
 
 

@@ -27,6 +27,8 @@ class Support:
     lora_parameters: tuple[str, ...] = ()  # lora.target_parameters then (an MoE's fused experts)
     experts: bool = False  # a mixture of experts (the sync cuts its fused experts; see has_experts)
     local_layers: bool = False  # its checkpoints have sliding-window layers: the hf engine's stream refuses them
+    # why LoRA cannot adapt its experts (tandem.train.lora.check refuses them in lora.target_parameters); "" if it can
+    no_expert_lora: str = ""
 
 
 # An MoE runs with vLLM: transformers 5 trains each layer's experts fused into 3-D tensors (mlp.experts.gate_up_proj)
@@ -46,6 +48,8 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "qwen3_moe": Support("Qwen3-MoE", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "mixtral": Support("Mixtral", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "glm4_moe": Support("GLM-4.5", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
+    "gpt_oss": Support("gpt-oss", lora=_ATTENTION, experts=True, local_layers=True,
+                       no_expert_lora="stored [experts, in, out], which tandem's LoRA merge does not take"),
 }
 
 

@@ -43,6 +43,14 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
         "qwen3_moe": ("Qwen3MoeConfig", dict(c, head_dim=HEAD_DIM, **moe)),
         "mixtral": ("MixtralConfig", dict(c, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2,
                                           sliding_window=None)),
+        # gpt-oss: biased experts whose gate and up columns interleave, a biased router softmaxed over its top k,
+        # attention sinks, biased projections, a sliding-window layer (8) and a full one
+        "gpt_oss": ("GptOssConfig", dict(c, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2,
+                                         intermediate_size=64, sliding_window=8,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "original_max_position_embeddings": 64,
+                                                       "truncate": False})),
         # GLM-4.5: a dense first layer, then routed experts beside a shared one, sigmoid scores with a correction
         # bias (a buffer the checkpoint holds), q/k norms and a partial rotary
         "glm4_moe": ("Glm4MoeConfig", dict(c, head_dim=HEAD_DIM, n_routed_experts=4, num_experts_per_tok=2,
@@ -63,6 +71,8 @@ def _tokenizer():
 
 ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text", "glm4_moe")
 WINDOWED = ("gemma3_text",)  # with sliding-window layers: the hf engine's stream refuses them (vLLM streams them)
+ARCHITECTURES += ("gpt_oss",)
+WINDOWED += ("gpt_oss",)
 
 
 def build(folder: Path, model_type: str, seed: int = 0) -> Path:

@@ -31,6 +31,7 @@ def _checks() -> list[str]:
 # placements in tests/workers/test_vllm_*.py, and `python bench/gpu_check.py --dry-run` runs them all by hand.
 HEAVY = ["vllm-sleep", "vllm-train", "colocated-ray", "tp2-engine", "split-channel", "lora-vllm", "vllm-stream",
          "stream-split"]
+HEAVY += ["gpt-oss-sync"]  # its CPU path is the zoo's (tests/core/test_model_zoo.py, vLLM steps on gpt-oss)
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed: its checks would fail")
