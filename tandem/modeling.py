@@ -143,9 +143,24 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: 
     hf_logging.disable_progress_bar()  # one bar per load drowns the run's own progress
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+        attn_implementation=_attention(path, trust_remote_code),
     )
     return model
+
+
+def _attention(path: str | Path, trust_remote_code: bool) -> str:
+    """PyTorch's fused attention (sdpa) where the architecture has it; eager where it does not (gpt-oss: its
+    attention sinks join the softmax, which sdpa cannot take)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # a class transformers does not map (remote code): sdpa, as always
+        return "sdpa"
+    return "sdpa" if cls._supports_sdpa else "eager"
 
 
 def weightless_model(path: str | Path, trust_remote_code: bool = False):

@@ -45,6 +45,14 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
         "qwen3_moe": ("Qwen3MoeConfig", dict(c, head_dim=HEAD_DIM, **moe)),
         "mixtral": ("MixtralConfig", dict(c, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2,
                                           sliding_window=None)),
+        # gpt-oss: biased experts whose gate and up columns interleave, a biased router softmaxed over its top k,
+        # attention sinks, biased projections, a sliding-window layer (8) and a full one
+        "gpt_oss": ("GptOssConfig", dict(c, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2,
+                                         intermediate_size=64, sliding_window=8,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "original_max_position_embeddings": 64,
+                                                       "truncate": False})),
         # GLM-4.5: a dense first layer, then routed experts beside a shared one, sigmoid scores with a correction
         # bias (a buffer the checkpoint holds), q/k norms and a partial rotary
         "glm4_moe": ("Glm4MoeConfig", dict(c, head_dim=HEAD_DIM, n_routed_experts=4, num_experts_per_tok=2,
@@ -70,8 +78,8 @@ def _tokenizer():
 
 
 ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text", "glm4_moe",
-                 "qwen3_5_text", "qwen3_5_moe_text")
-WINDOWED = ("gemma3_text",)  # with sliding-window layers: the hf engine's stream refuses them (vLLM streams them)
+                 "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss")
+WINDOWED = ("gemma3_text", "gpt_oss")  # with sliding-window layers: the hf engine's stream refuses them (vLLM: yes)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")  # with linear-attention layers: the hf engine's stream refuses them
 
 

@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 import base64
+import re
 from typing import Any, Iterable
 
 import torch
 
 from tandem.rollout.manifest import digest
+
+# Checkpoint tensors a vLLM model's own loader copies into its parameters itself, past the weight loaders that vLLM's
+# layer-wise reload defers (vLLM 0.32's GptOssModel._load_weights_other: the attention sinks, the experts and their
+# biases); the reload holds those parameters on the meta device while it loads, so the copies are lost and the engine
+# keeps its old values. They are loaded again in place after the reload (tandem_load_weights), by model class.
+_COPIED_PAST_THE_LOADERS = {
+    "GptOssForCausalLM": re.compile(r"\.(self_attn\.sinks|mlp\.experts\.(gate_up_proj|down_proj)(_bias)?)$"),
+}
 
 
 # What crosses a process boundary (server mode, tensor parallelism) is a safetensors blob: plain bytes pickle
@@ -103,6 +112,7 @@ class TandemWorkerExtension:
             self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
             self._tandem_refresh_shared({name for name, _ in weights})
             self._tandem_repack_experts(dict(weights))
+            self._tandem_load_copied(weights)
         elif path == "load_weights":
             from vllm.config import set_current_vllm_config
 
@@ -111,6 +121,26 @@ class TandemWorkerExtension:
         else:
             raise ValueError(f"unknown weight load path {path!r}; use 'reload' or 'load_weights'")
         return nbytes
+
+    def _tandem_load_copied(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load in place the tensors the reload lost (`_COPIED_PAST_THE_LOADERS`), then prepare each fused-MoE module
+        whose experts came raw for its kernel again (on CPU: `cpu_prepack_moe_weight`), as its first load did."""
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        pattern = _COPIED_PAST_THE_LOADERS.get(type(model).__name__)
+        copied = [(n, t) for n, t in weights if pattern is not None and pattern.search(n)]
+        if not copied:
+            return
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+            model.load_weights(iter(copied))
+        # the loader writes a module's experts whole (the engine sends a module's tensors together)
+        raw = {n.removesuffix(".gate_up_proj") for n, _ in copied if n.endswith(".mlp.experts.gate_up_proj")}
+        for module in model.modules():
+            experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+            prepare = getattr(experts, "process_weights_after_loading", None)
+            if prepare is not None and getattr(module, "layer_name", None) in raw:
+                prepare(module)
 
     def _tandem_refresh_shared(self, names: set[str]) -> None:
         """Re-run weight post-processing on modules that share a reloaded weight (a tied lm_head).

@@ -85,7 +85,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     for name, module in expert_modules(model):
         _check_module(name, module, size)
         per = module.gate_up_proj.shape[0] // size
-        for pname in ("gate_up_proj", "down_proj"):
+        for pname in _expert_parameters(module):
             full = getattr(module, pname)
             local = full.detach()[rank * per:(rank + 1) * per].clone()  # this rank's experts only; the rest freed
             setattr(module, pname, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
@@ -101,12 +101,20 @@ def _check_module(name: str, module: nn.Module, size: int) -> None:
     experts = module.gate_up_proj.shape[0]
     if experts % size:
         raise ValueError(f"placement.expert_parallel: {size} does not divide {name}'s {experts} experts")
-    # the forward below is transformers' eager one for concatenated [gate; up] weights without bias
-    odd = [f for f, want in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
-                             ("has_gate", True)) if getattr(module, f, want) != want]
-    if odd:
-        raise ValueError(f"expert parallel: {name} ({type(module).__name__}) has {odd} unlike the fused [gate; up] "
-                         "experts tandem shards (Qwen3-MoE, Mixtral); use placement.expert_parallel: 1")
+    # the forward below is transformers' eager one (integrations/moe.py), with the flags it reads: fused [gate, up]
+    # weights (their halves concatenated or, gpt-oss's, interleaved: the module's own _apply_gate splits them),
+    # stored [out, in] or (is_transposed) [in, out], with biases or without
+    if not getattr(module, "has_gate", True):
+        raise ValueError(f"expert parallel: {name} ({type(module).__name__}) has no gate, unlike the fused [gate, up] "
+                         "experts tandem shards (Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss); use "
+                         "placement.expert_parallel: 1")
+
+
+def _expert_parameters(module: nn.Module) -> tuple[str, ...]:
+    """The experts' parameters, each [experts, ...], which EP shards by expert: the fused weights, and their biases
+    where the experts have them (gpt-oss's)."""
+    biases = ("gate_up_proj_bias", "down_proj_bias") if getattr(module, "has_bias", False) else ()
+    return ("gate_up_proj", "down_proj") + biases
 
 
 def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -139,14 +147,25 @@ def _local_experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tenso
     Every local expert runs, on no rows if none came, so that each rank's expert weights get a gradient (zeros)
     and FSDP's reduction over "edp" sees the same tensors on every rank. The weights' gradient is scaled by
     1 / ep: each rank's loss is scaled by dp to undo FSDP's average over dp (see Policy._pass), but an expert's
-    gradient already sums the rows of the whole EP group, and FSDP averages it over "edp" = dp / ep ranks only."""
+    gradient already sums the rows of the whole EP group, and FSDP averages it over "edp" = dp / ep ranks only
+    (the biases' alike)."""
     ep: EPGroup = self._tandem_ep
-    gate_up, down = (_ScaleGrad.apply(_local(p), 1.0 / ep.size) for p in (self.gate_up_proj, self.down_proj))
+    mine = {n: _ScaleGrad.apply(_local(getattr(self, n)), 1.0 / ep.size) for n in _expert_parameters(self)}
+    gate_up, down = mine["gate_up_proj"], mine["down_proj"]
+    gate_up_bias, down_bias = mine.get("gate_up_proj_bias"), mine.get("down_proj_bias")
+    in_out = bool(getattr(self, "is_transposed", False))
     order = torch.argsort(local, stable=True)
     sizes = torch.bincount(local, minlength=ep.per).tolist()
-    outs = [nn.functional.linear(self._apply_gate(nn.functional.linear(x, gate_up[e])), down[e])
+    outs = [_project(self._apply_gate(_project(x, gate_up, gate_up_bias, e, in_out)), down, down_bias, e, in_out)
             for e, x in enumerate(torch.split(rows[order], sizes))]
     return torch.empty_like(rows).index_copy(0, order, torch.cat(outs))
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e: int, in_out: bool) -> torch.Tensor:
+    """Expert `e`'s projection of the rows `x`, as transformers' eager forward computes it ([in, out] weights when
+    `in_out`, is_transposed)."""
+    y = x @ weight[e] if in_out else nn.functional.linear(x, weight[e])
+    return y if bias is None else y + bias[e]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,10 @@ _FUSED_COLWISE = {"self_attn.qkv_proj": _qkv_parts, "mlp.gate_up_proj": _halves}
 # (transformers' plan calls this replicated_with_grad_allreduce). Summed once per optimizer step, after every
 # micro-batch's backward (`sum_partial_grads`): a per-backward sum would add the accumulated gradient again.
 _PARTIAL_GRADS = ("self_attn.q_norm", "self_attn.k_norm")
+# Replicated parameters with one entry per attention head: gpt-oss's attention sinks (a logit per head that joins
+# that head's softmax). Each rank's attention reads the entries of its own heads (`_read_rank_heads`), so its gradient
+# covers those alone, summed over the tp group as the partial gradients above.
+_PER_HEAD = ("self_attn.sinks",)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,26 @@ class _RankHeads:
         if name == "_config" or name.startswith("__"):  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self._config, name)
+
+
+def _read_rank_heads(module: nn.Module, name: str, rank: int, tp: int) -> None:
+    """Make `module`'s forward read this rank's heads' part of its per-head parameter `name`: the slice stands in for
+    the whole parameter while the forward runs (a view, so the gradient reaches the whole one), which is put back
+    after it, failed or not, for FSDP, the optimizer and the state dict to find as it was."""
+    whole: list[torch.Tensor] = []
+
+    def before(mod: nn.Module, args) -> None:
+        param = mod._parameters[name]
+        size = param.shape[0] // tp
+        whole.append(param)
+        mod._parameters[name] = param[rank * size:(rank + 1) * size]
+
+    def after(mod: nn.Module, args, output) -> None:
+        if whole:
+            mod._parameters[name] = whole.pop()
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after, always_call=True)
 
 
 # One process group per rank set, made once and reused by later meshes (a communicator is not free).
@@ -178,6 +202,10 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
             attn.num_key_value_heads //= tp
         for n in (n for n in _PARTIAL_GRADS if _has(layer, n)):
             partial += [f"{prefix}.{n}.{p}" for p, _ in layer.get_submodule(n).named_parameters()]
+        for n in (n for n in _PER_HEAD if n in dict(layer.named_parameters())):
+            owner, _, param = n.rpartition(".")
+            _read_rank_heads(layer.get_submodule(owner), param, tp_mesh.get_local_rank(), tp)
+            partial.append(f"{prefix}.{n}")
         parallelize_module(layer, tp_mesh, plan)
     return TPState(orders, tuple(partial), tp_mesh.get_group())
 

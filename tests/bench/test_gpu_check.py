@@ -28,9 +28,10 @@ def _checks() -> list[str]:
 
 # Left out of the suite's dry run for time (each starts a vLLM engine, most of them Ray too, on the CPU: 17-30 s
 # apiece; the whole dry run takes 4 min on 2 cores): moe-sync runs the in-process vLLM path, the suite runs the same
-# placements in tests/workers/test_vllm_*.py, and `python bench/gpu_check.py --dry-run` runs them all by hand.
+# placements in tests/workers/test_vllm_*.py (gpt-oss-sync's: the zoo's vLLM steps on gpt-oss), and
+# `python bench/gpu_check.py --dry-run` runs them all by hand.
 HEAVY = ["vllm-sleep", "vllm-train", "colocated-ray", "tp2-engine", "split-channel", "lora-vllm", "vllm-stream",
-         "stream-split"]
+         "stream-split", "gpt-oss-sync"]
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed: its checks would fail")

@@ -80,6 +80,20 @@ def test_lora_on_the_experts_reaches_vllm_merged_and_cut_per_expert(zoo, tmp_pat
     _lora_steps(zoo["qwen3_moe"], tmp_path, "vllm")
 
 
+def test_lora_on_experts_stored_in_out_is_refused_before_any_model_loads(zoo):
+    """gpt-oss stores its experts [experts, in, out] (transformers' is_transposed), which the LoRA merge does not
+    take: its default targets leave them out, naming them is refused, and the table says why."""
+    from tandem.config import LoraConfig
+    from tandem.train import lora
+
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    with pytest.raises(ConfigError, match=r"lora\.target_parameters: .*mlp\.experts\.(gate_up|down)_proj.* are stored "
+                                          r"\[experts, in, out\], which tandem does not merge"):
+        lora.check(LoraConfig(enabled=True, target_modules=["q_proj"], target_parameters=experts), str(zoo["gpt_oss"]))
+    lora.check(LoraConfig(enabled=True, target_modules=["q_proj"], target_parameters=experts), str(zoo["qwen3_moe"]))
+    assert "[experts, in, out]" in SUPPORT["gpt_oss"].no_expert_lora and not SUPPORT["gpt_oss"].lora_parameters
+
+
 def _lora_steps(model: Path, tmp_path: Path, engine: str) -> None:
     from tandem.config import LoraConfig
     from tandem.train import lora

@@ -26,7 +26,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [100, 20, 30], [200], [17, 3, 250, 9, 11, 12, 13]]
 SAMPLING = Sampling(n=2, temperature=1.0, max_new_tokens=6, seed=3, stop_token_ids=tuple(range(0, 258, 5)))
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_moe_text"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_moe_text", "gpt_oss"])
 def model_path(request, tmp_path_factory):
     return zoo_models.build(tmp_path_factory.mktemp(request.param) / request.param, request.param)
 
