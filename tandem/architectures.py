@@ -16,6 +16,9 @@ _DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # an MoE's experts are fused 3-D tensors, not linear layers
 # ... which PEFT adapts as parameters (its `target_parameters`): one rank-r adapter per expert of each
 _EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# DeepSeek-V3's multi-head latent attention (PEFT has no default for it): its low-rank q and kv projections, down and
+# up, and the output; the latents' norms are not linear layers
+_MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "qwen3_moe": Support("Qwen3-MoE", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "mixtral": Support("Mixtral", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "glm4_moe": Support("GLM-4.5", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
+    "deepseek_v3": Support("DeepSeek-V3 / Kimi K2", lora=_MLA, lora_parameters=_EXPERTS, experts=True),
 }
 
 
@@ -147,7 +151,7 @@ def _check_stream(cfg, kind: str, known: Support | None) -> None:
 # Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints
 # say num_experts, Mixtral's num_local_experts, and transformers 5 saves either model with the latter.
 _EXPERT_COUNT = {"qwen3_moe": ("num_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts"),
-                 "glm4_moe": ("n_routed_experts",)}
+                 "glm4_moe": ("n_routed_experts",), "deepseek_v3": ("n_routed_experts",)}
 
 
 def _check_expert_parallel(path: str, ep: int, kind: str, known: Support) -> None:

@@ -49,6 +49,16 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
                                            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                                            n_group=1, topk_group=1, norm_topk_prob=True, partial_rotary_factor=0.5,
                                            use_qk_norm=True)),
+        # DeepSeek-V3 (Kimi K2's too): multi-head latent attention (low-rank q, a low-rank kv latent shared by the
+        # heads beside a decoupled rotary key, v heads narrower than q/k ones), a dense first layer, a shared expert
+        # beside routed ones chosen by grouped top-k of sigmoid scores (2 groups of 2, the best group taken), which
+        # vLLM reads from scoring_func and topk_method as DeepSeek's checkpoints say them (transformers ignores both).
+        # kv_lora_rank + qk_rope_head_dim = 576: the only latent width vLLM-CPU's MLA decode kernel has
+        "deepseek_v3": ("DeepseekV3Config", dict(c, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                                 norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+                                                 q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=32,
+                                                 qk_rope_head_dim=64, v_head_dim=32)),
     }
 
 
@@ -61,7 +71,8 @@ def _tokenizer():
     return build_tokenizer(arithmetic.corpus(), 300)
 
 
-ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text", "glm4_moe")
+ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text", "glm4_moe",
+                 "deepseek_v3")
 WINDOWED = ("gemma3_text",)  # with sliding-window layers: the hf engine's stream refuses them (vLLM streams them)
 
 
