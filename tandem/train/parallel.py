@@ -16,8 +16,11 @@ from tandem.util import residency
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
 
 # Qwen2/Llama-style decoder layers: column-parallel inputs of attention and MLP, row-parallel outputs, so each
-# layer needs one all-reduce after attention and one after the MLP and nothing between.
-_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+# layer needs one all-reduce after attention and one after the MLP and nothing between. DeepSeek-V3's multi-head
+# latent attention splits by heads its up-projections (q_b_proj, kv_b_proj: rows head by head) and keeps its
+# low-rank down-projections and their norms whole on every rank (see _LATENT_KV).
+_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
+            "self_attn.q_b_proj", "self_attn.kv_b_proj")
 _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
@@ -43,6 +46,27 @@ _FUSED_COLWISE = {"self_attn.qkv_proj": _qkv_parts, "mlp.gate_up_proj": _halves}
 # (transformers' plan calls this replicated_with_grad_allreduce). Summed once per optimizer step, after every
 # micro-batch's backward (`sum_partial_grads`): a per-backward sum would add the accumulated gradient again.
 _PARTIAL_GRADS = ("self_attn.q_norm", "self_attn.k_norm")
+# MLA's kv down-projection, whole on every rank: its outputs are the kv latent, which reaches the heads through
+# kv_b_proj (whose ColwiseParallel sums the latent's gradient over the tp group), then qk_rope_head_dim columns of one
+# rotary key that every head uses directly. Each rank's backward gives those columns its own heads' part of their
+# gradient only, so `_RotaryKeyGrad` sums it over the group as it flows back, before it reaches the projection's
+# weight and the layer's input (every rank then holds the whole gradient of both).
+_LATENT_KV = "self_attn.kv_a_proj_with_mqa"
+
+
+class _RotaryKeyGrad(torch.autograd.Function):
+    """The identity forward; backward sums the gradient of the last columns from `start` on over `group`."""
+
+    @staticmethod
+    def forward(ctx, latent: torch.Tensor, start: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return latent.view_as(latent)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rotary = grad[..., ctx.start:].contiguous()
+        dist.all_reduce(rotary, group=ctx.group)
+        return torch.cat([grad[..., :ctx.start], rotary], dim=-1), None, None
 
 
 @dataclass(frozen=True)
@@ -178,6 +202,10 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
             attn.num_key_value_heads //= tp
         for n in (n for n in _PARTIAL_GRADS if _has(layer, n)):
             partial += [f"{prefix}.{n}.{p}" for p, _ in layer.get_submodule(n).named_parameters()]
+        if _has(layer, _LATENT_KV):
+            latent = model.config.kv_lora_rank
+            layer.get_submodule(_LATENT_KV).register_forward_hook(
+                lambda module, args, out, start=latent, g=tp_mesh.get_group(): _RotaryKeyGrad.apply(out, start, g))
         parallelize_module(layer, tp_mesh, plan)
     return TPState(orders, tuple(partial), tp_mesh.get_group())
 
