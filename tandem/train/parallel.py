@@ -186,6 +186,11 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
     names = {id(m): n for n, m in model.named_modules()}
     orders: dict[str, torch.Tensor] = {}
     partial: list[str] = []
+    group, latent = tp_mesh.get_group(), getattr(model.config, "kv_lora_rank", None)
+
+    def sum_rotary_key_grad(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return _RotaryKeyGrad.apply(out, latent, group)
+
     for layer in decoder_layers(model):
         prefix = names[id(layer)]
         plan = ({n: ColwiseParallel() for n in _COLWISE if _has(layer, n)}
@@ -203,11 +208,9 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
         for n in (n for n in _PARTIAL_GRADS if _has(layer, n)):
             partial += [f"{prefix}.{n}.{p}" for p, _ in layer.get_submodule(n).named_parameters()]
         if _has(layer, _LATENT_KV):
-            latent = model.config.kv_lora_rank
-            layer.get_submodule(_LATENT_KV).register_forward_hook(
-                lambda module, args, out, start=latent, g=tp_mesh.get_group(): _RotaryKeyGrad.apply(out, start, g))
+            layer.get_submodule(_LATENT_KV).register_forward_hook(sum_rotary_key_grad)
         parallelize_module(layer, tp_mesh, plan)
-    return TPState(orders, tuple(partial), tp_mesh.get_group())
+    return TPState(orders, tuple(partial), group)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, expert_parallel: int = 1) -> TPState:

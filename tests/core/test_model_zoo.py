@@ -205,12 +205,14 @@ def test_a_vllm_stream_carries_a_sliding_window_model_across_an_update_exactly(t
 
 def test_expert_parallel_is_refused_before_any_model_loads_where_the_experts_cannot_be_split(zoo, tmp_path):
     """placement.expert_parallel needs a mixture of experts whose expert count it divides (read from config.json:
-    qwen3_moe's num_experts, mixtral's num_local_experts, glm4_moe's n_routed_experts, 4 in the zoo)."""
+    qwen3_moe's num_experts, mixtral's num_local_experts, glm4_moe's and deepseek_v3's n_routed_experts, 4 in the
+    zoo)."""
     ray = ("placement.backend=ray", "placement.workers=4")
-    for arch in ("qwen3_moe", "mixtral", "glm4_moe"):
+    moes = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+    for arch in moes:
         check_supported(zoo_config(zoo[arch], tmp_path, *ray, "placement.expert_parallel=2"))
         check_supported(zoo_config(zoo[arch], tmp_path, *ray, "placement.expert_parallel=4"))
-    for arch in ("qwen3_moe", "mixtral", "glm4_moe"):
+    for arch in moes:
         config = json.loads((zoo[arch] / "config.json").read_text())
         # transformers 5 saves num_local_experts for the first two
         counts = {k: 6 for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config}

@@ -18,7 +18,7 @@ from test_parallel import _offload_roundtrip, _step  # noqa: E402  the same batc
 
 from tandem.config import AlgoConfig, OptimConfig  # noqa: E402
 
-ARCHS = ("qwen3_moe", "mixtral", "glm4_moe")
+ARCHS = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
 # dp rank -> its rows of each 6-row mini-batch: uneven, and under dp 4 one rank has none at all, so it runs only
 # dummy micro-batches, yet must take part in every all-to-all of its EP group
 SPLITS = {2: {0: [0, 1, 2, 3, 4], 1: [5]}, 4: {0: [0, 1, 2], 1: [3], 2: [], 3: [4, 5]}}
