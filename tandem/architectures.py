@@ -30,6 +30,9 @@ class Support:
     lora_parameters: tuple[str, ...] = ()  # lora.target_parameters then (an MoE's fused experts)
     experts: bool = False  # a mixture of experts (the sync cuts its fused experts; see has_experts)
     local_layers: bool = False  # its checkpoints have sliding-window layers: the hf engine's stream refuses them
+    # config.json's keys that vLLM reads and transformers neither reads nor saves, with the values that make vLLM run
+    # the model as transformers does: a checkpoint without them is refused with rollout.engine: vllm
+    vllm_config: tuple[tuple[str, str], ...] = ()
 
 
 # An MoE runs with vLLM: transformers 5 trains each layer's experts fused into 3-D tensors (mlp.experts.gate_up_proj)
@@ -49,7 +52,10 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "qwen3_moe": Support("Qwen3-MoE", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "mixtral": Support("Mixtral", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "glm4_moe": Support("GLM-4.5", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
-    "deepseek_v3": Support("DeepSeek-V3 / Kimi K2", lora=_MLA, lora_parameters=_EXPERTS, experts=True),
+    # transformers routes DeepSeek-V3 by sigmoid scores plus the correction bias; vLLM by its config's scoring_func
+    # (softmax when absent) and topk_method (no bias unless noaux_tc), as DeepSeek's and Kimi's checkpoints say them
+    "deepseek_v3": Support("DeepSeek-V3 / Kimi K2", lora=_MLA, lora_parameters=_EXPERTS, experts=True,
+                           vllm_config=(("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"))),
 }
 
 
@@ -118,6 +124,21 @@ def check_supported(cfg) -> None:
         return
     if pl.expert_parallel > 1:
         _check_expert_parallel(cfg.model.path, pl.expert_parallel, kind, known)
+    if engine == "vllm":
+        _check_vllm_config(cfg.model.path, known)
+
+
+def _check_vllm_config(path: str, known: Support) -> None:
+    """config.json says what `Support.vllm_config` asks (vLLM would otherwise run another model than the trainer)."""
+    config = read_json(Path(path).expanduser() / "config.json")
+    config = config.get("text_config", config)
+    wrong = {k: v for k, v in known.vllm_config if config.get(k) != v}
+    if wrong:
+        found = ", ".join(f"{k}={config.get(k)!r}" for k in wrong)
+        raise ConfigError(f"rollout.engine: vllm: model.path's config.json ({path}) has {found}; vLLM reads them to "
+                          f"run {known.name} as transformers does, which needs "
+                          f"{', '.join(f'{k}: {v!r}' for k, v in wrong.items())}: add them to config.json "
+                          "(transformers ignores them), or use rollout.engine: hf")
 
 
 def sliding_window_layers(config: dict) -> bool:

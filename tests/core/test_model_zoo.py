@@ -117,6 +117,24 @@ def test_every_zoo_architecture_passes_every_placement_and_one_outside_it_is_ref
         check_supported(zoo_config(other, tmp_path, "rollout.engine=vllm"))
 
 
+def test_vllm_refuses_a_deepseek_v3_checkpoint_without_the_routing_keys_it_reads(zoo, tmp_path):
+    """vLLM routes DeepSeek-V3 as config.json's scoring_func and topk_method say (softmax, and no correction bias,
+    where they are absent), transformers by sigmoid scores plus the bias whatever they say. A checkpoint without them
+    (as transformers' own DeepseekV3Config saves one) is refused with vLLM before any model loads, and runs with hf.
+    Seen without the refusal: no scoring_func, vLLM's logprobs 1e-4..5e-4 per token off the trainer's, under
+    rollout.max_logprob_diff's default; no topk_method, vLLM's loading fails on the bias (a KeyError)."""
+    config = json.loads((zoo["deepseek_v3"] / "config.json").read_text())
+    check_supported(zoo_config(zoo["deepseek_v3"], tmp_path, "rollout.engine=vllm"))
+    for key in ("scoring_func", "topk_method"):
+        bare = tmp_path / key
+        bare.mkdir()
+        (bare / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != key}))
+        check_supported(zoo_config(bare, tmp_path))
+        with pytest.raises(ConfigError, match=rf"rollout\.engine: vllm: model\.path's config\.json \(.*\) has "
+                                              rf"{key}=None; .* DeepSeek-V3 .* needs {key}: "):
+            check_supported(zoo_config(bare, tmp_path, "rollout.engine=vllm"))
+
+
 def test_the_stream_schedule_takes_every_zoo_architecture_and_refuses_what_it_cannot_decode(zoo, tmp_path):
     """placement.schedule: stream (the hf engine's streaming decoder, tests/rollout/test_stream.py) for every zoo
     architecture; refused before any model loads: a checkpoint with sliding-window layers, an architecture outside
