@@ -30,7 +30,8 @@ def _checks() -> list[str]:
 # apiece; the whole dry run takes 4 min on 2 cores): moe-sync runs the in-process vLLM path, the suite runs the same
 # placements in tests/workers/test_vllm_*.py, and `python bench/gpu_check.py --dry-run` runs them all by hand.
 HEAVY = ["vllm-sleep", "vllm-train", "colocated-ray", "tp2-engine", "split-channel", "lora-vllm", "vllm-stream",
-         "stream-split"]
+         "stream-split",
+         "mla-sync"]  # tests/core/test_model_zoo.py runs DeepSeek-V3 with vLLM on the CPU
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed: its checks would fail")
