@@ -74,7 +74,7 @@ def test_engine_tp_plan_moves_only_each_ranks_slices():
               "model.layers.0.mlp.down_proj.weight": (hidden, inter),
               "model.layers.0.input_layernorm.weight": (hidden,)}
     params = {n: (s, torch.float32) for n, s in params.items()}
-    tp = EngineTP(2, heads, kv, d)
+    tp = EngineTP(2, heads, kv)
     dst = engine_tp_layout(params, [[0, 1]], tp)
     box = lambda n, r: dst[n].shards[r].pieces[0].box  # noqa: E731
     assert box("model.layers.0.self_attn.q_proj.weight", 1) == ((16, 32), (0, 32))
@@ -87,7 +87,7 @@ def test_engine_tp_plan_moves_only_each_ranks_slices():
     assert moves.bytes_moved == moves.lower_bound
     assert moves.bytes_moved < 0.6 * plan_to_replicas(fsdp, [0, 1]).bytes_moved
     # a 2-way 1 kv-head case: both ranks load the same head
-    assert EngineTP(2, 4, 1, 8).box("x.k_proj.weight", (8, 32), 1) == ((0, 8), (0, 32))
+    assert EngineTP(2, 4, 1).box("x.k_proj.weight", (8, 32), 1) == ((0, 8), (0, 32))
 
 
 # ------------------------------------------------------------------------------------------------ engines
