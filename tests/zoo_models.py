@@ -76,14 +76,15 @@ ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mix
 WINDOWED = ("gemma3_text",)  # with sliding-window layers: the hf engine's stream refuses them (vLLM streams them)
 
 
-def build(folder: Path, model_type: str, seed: int = 0) -> Path:
-    """Save a randomly initialised tiny `model_type` with the demo's tokenizer into `folder` (HF format)."""
+def build(folder: Path, model_type: str, seed: int = 0, **config) -> Path:
+    """Save a randomly initialised tiny `model_type` with the demo's tokenizer into `folder` (HF format); `config`
+    changes its config's fields."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     tok = _tokenizer()
     cls_name, kwargs = _configs(len(tok), tok.eos_token_id, tok.pad_token_id)[model_type]
-    cfg = getattr(transformers, cls_name)(**kwargs)
+    cfg = getattr(transformers, cls_name)(**dict(kwargs, **config))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Random init gives near-uniform logits; a wider spread makes greedy decoding and logprob checks sharper.
