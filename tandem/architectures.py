@@ -53,8 +53,8 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     "mixtral": Support("Mixtral", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     "glm4_moe": Support("GLM-4.5", lora=_ATTENTION, lora_parameters=_EXPERTS, experts=True),
     # transformers routes DeepSeek-V3 by sigmoid scores plus the correction bias; vLLM by its config's scoring_func
-    # (softmax when absent) and topk_method (no bias unless noaux_tc), as DeepSeek's and Kimi's checkpoints say them
-    "deepseek_v3": Support("DeepSeek-V3 / Kimi K2", lora=_MLA, lora_parameters=_EXPERTS, experts=True,
+    # (softmax when absent) and topk_method (no bias unless noaux_tc), as DeepSeek's checkpoints say them
+    "deepseek_v3": Support("DeepSeek-V3", lora=_MLA, lora_parameters=_EXPERTS, experts=True,
                            vllm_config=(("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"))),
 }
 

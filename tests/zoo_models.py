@@ -49,7 +49,7 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
                                            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                                            n_group=1, topk_group=1, norm_topk_prob=True, partial_rotary_factor=0.5,
                                            use_qk_norm=True)),
-        # DeepSeek-V3 (Kimi K2's too): multi-head latent attention (low-rank q, a low-rank kv latent shared by the
+        # DeepSeek-V3: multi-head latent attention (low-rank q, a low-rank kv latent shared by the
         # heads beside a decoupled rotary key, v heads narrower than q/k ones), a dense first layer, a shared expert
         # beside routed ones chosen by grouped top-k of sigmoid scores (2 groups of 2, the best group taken), which
         # vLLM reads from scoring_func and topk_method as DeepSeek's checkpoints say them (transformers ignores both).
