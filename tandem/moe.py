@@ -26,16 +26,17 @@ def _sigmoid_weights(router: torch.nn.Module, logits: torch.Tensor, used: torch.
 # The routers tandem knows, by class name, each with how it weighs the experts it is given. Each returns (logits, the
 # chosen experts' weights, their indices). Qwen3-MoE and Mixtral choose the top-k of softmax(logits) in float32 and
 # differ only in whether the chosen weights are renormalized to sum to 1 (Qwen3-MoE: as its config's norm_topk_prob
-# says; Mixtral: always); GLM-4.5 chooses by sigmoid scores plus a correction bias within its best groups; gpt-oss
-# takes the top-k of its (biased) logits and softmaxes those alone, in the logits' dtype. A replayed
-# forward recomputes the weights the router's way from its own logits, so the gradient reaches the router through
-# the weights of the experts it was given, as it reaches it through those of the experts it chose.
+# says; Mixtral and Qwen3.5-MoE: always); GLM-4.5 and DeepSeek-V3 choose by sigmoid scores plus a correction bias
+# within their best groups; gpt-oss takes the top-k of its (biased) logits and softmaxes those alone, in the logits'
+# dtype. A replayed forward recomputes the weights the router's way from its own logits, so the gradient reaches the
+# router through the weights of the experts it was given, as it reaches it through those of the experts it chose.
 _WEIGHTS = {
     "Qwen3MoeTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, bool(router.norm_topk_prob)),
     "MixtralTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, True),
     "Glm4MoeTopkRouter": _sigmoid_weights,
     "Qwen3_5MoeTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, True),
     "GptOssTopKRouter": lambda router, logits, used: torch.softmax(logits.gather(-1, used), dim=-1),
+    "DeepseekV3TopkRouter": _sigmoid_weights,
 }
 
 

@@ -65,6 +65,16 @@ def _configs(vocab: int, eos: int, pad: int) -> dict:
         "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(c, head_dim=HEAD_DIM, **hybrid, num_experts=4,
                                                           num_experts_per_tok=2, moe_intermediate_size=32,
                                                           shared_expert_intermediate_size=32)),
+        # DeepSeek-V3: multi-head latent attention (low-rank q, a low-rank kv latent shared by the
+        # heads beside a decoupled rotary key, v heads narrower than q/k ones), a dense first layer, a shared expert
+        # beside routed ones chosen by grouped top-k of sigmoid scores (2 groups of 2, the best group taken), which
+        # vLLM reads from scoring_func and topk_method as DeepSeek's checkpoints say them (transformers ignores both).
+        # kv_lora_rank + qk_rope_head_dim = 576: the only latent width vLLM-CPU's MLA decode kernel has
+        "deepseek_v3": ("DeepseekV3Config", dict(c, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                                 norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+                                                 q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=32,
+                                                 qk_rope_head_dim=64, v_head_dim=32)),
     }
 
 
@@ -78,19 +88,20 @@ def _tokenizer():
 
 
 ARCHITECTURES = ("llama", "qwen3", "gemma", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3_text", "glm4_moe",
-                 "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss")
+                 "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3")
 WINDOWED = ("gemma3_text", "gpt_oss")  # with sliding-window layers: the hf engine's stream refuses them (vLLM: yes)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")  # with linear-attention layers: the hf engine's stream refuses them
 
 
-def build(folder: Path, model_type: str, seed: int = 0) -> Path:
-    """Save a randomly initialised tiny `model_type` with the demo's tokenizer into `folder` (HF format)."""
+def build(folder: Path, model_type: str, seed: int = 0, **config) -> Path:
+    """Save a randomly initialised tiny `model_type` with the demo's tokenizer into `folder` (HF format); `config`
+    changes its config's fields."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     tok = _tokenizer()
     cls_name, kwargs = _configs(len(tok), tok.eos_token_id, tok.pad_token_id)[model_type]
-    cfg = getattr(transformers, cls_name)(**kwargs)
+    cfg = getattr(transformers, cls_name)(**dict(kwargs, **config))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Random init gives near-uniform logits; a wider spread makes greedy decoding and logprob checks sharper.

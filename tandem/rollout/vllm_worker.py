@@ -170,9 +170,13 @@ class TandemWorkerExtension:
         (on CPU: `cpu_prepack_moe_weight` of w13 and w2, into its grouped-GEMM layout) only when the kernel is first
         built, not on a weight update, so after a layer-wise reload the CPU kernel reads raw weights as prepacked
         ones (seen: logprobs off by 1e-2 with every byte right). A module whose w2 still equals the raw tensor just
-        sent for expert 0 was not prepared; a vLLM that prepares it on update is left alone.
+        sent for expert 0 (in a tensor-parallel engine: this rank's columns of it) was not prepared; a vLLM that
+        prepares it on update is left alone.
         """
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         for module in model.modules():
             experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
             prepare = getattr(experts, "process_weights_after_loading", None)
@@ -180,7 +184,12 @@ class TandemWorkerExtension:
             name = next((f"{module.layer_name}.{w.removeprefix('experts.')}weight" for _, w, e, shard in
                          module.get_expert_mapping() if e == 0 and shard == "w2"), None) if prepare else None
             raw = weights.get(name) if name else None
-            if raw is not None and raw.shape == module.w2_weight.shape[1:] and torch.equal(module.w2_weight[0], raw):
+            if raw is None:
+                continue
+            width = module.w2_weight.shape[-1]  # the experts' intermediate size on this rank
+            if raw.shape[-1] == width * ranks:  # whole: tandem sends the checkpoint's shape to every rank
+                raw = raw[..., rank * width:(rank + 1) * width]
+            if raw.shape == module.w2_weight.shape[1:] and torch.equal(module.w2_weight[0], raw):
                 prepare(module)
 
     def tandem_add_lora(self, lora_id: int, payload: Any, alpha: float, rank: int) -> list[int]:

@@ -393,11 +393,12 @@ def layout_from_dtensors(named: Mapping[str, torch.Tensor],
 class EngineTP:
     """How a vLLM engine over `size` ranks cuts a Llama/Qwen-style decoder's Hugging Face tensors: attention
     heads (and key/value heads, replicated when fewer than ranks), MLP columns, and the vocabulary padded to
-    `vocab_padding` then split evenly (vLLM's VocabParallelEmbedding / ParallelLMHead)."""
+    `vocab_padding` then split evenly (vLLM's VocabParallelEmbedding / ParallelLMHead). A head's width is read from
+    each tensor's shape: DeepSeek-V3's multi-head latent attention has q/k heads wider than its v heads (o_proj's
+    input), and its up-projections (q_b_proj, kv_b_proj) split by heads as q_proj does."""
     size: int
     heads: int
     kv_heads: int
-    head_dim: int
     vocab_padding: int = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
     def box(self, name: str, shape: Sequence[int], rank: int) -> Box:
@@ -405,18 +406,19 @@ class EngineTP:
         or for names this rule does not know: correct, at the cost of traffic)."""
         full = full_box(shape)
         leaf = name.rsplit(".", 2)[-2] if "." in name else name
-        n, d, r = self.size, self.head_dim, rank
+        n, r = self.size, rank
         if n == 1:
             return full
-        if leaf == "q_proj":
-            return _cut(full, 0, r * self.heads // n * d, (r + 1) * self.heads // n * d)
+        if leaf in ("q_proj", "q_b_proj", "kv_b_proj"):
+            return self._heads(full, 0, shape[0] // self.heads, self.heads, r)
         if leaf in ("k_proj", "v_proj"):
+            d = shape[0] // self.kv_heads
             if self.kv_heads >= n:
-                return _cut(full, 0, r * self.kv_heads // n * d, (r + 1) * self.kv_heads // n * d)
+                return self._heads(full, 0, d, self.kv_heads, r)
             head = r // (n // self.kv_heads)  # each kv head serves n / kv_heads ranks
             return _cut(full, 0, head * d, (head + 1) * d)
         if leaf == "o_proj" and name.endswith(".weight"):
-            return _cut(full, 1, r * self.heads // n * d, (r + 1) * self.heads // n * d)
+            return self._heads(full, 1, shape[1] // self.heads, self.heads, r)
         if leaf in ("gate_proj", "up_proj"):
             return _cut(full, 0, *chunk_range(shape[0], n, r))
         if leaf == "down_proj" and name.endswith(".weight"):
@@ -426,6 +428,10 @@ class EngineTP:
             per = -(-shape[0] // pad) * pad // n
             return _cut(full, 0, min(r * per, shape[0]), min((r + 1) * per, shape[0]))
         return full
+
+    def _heads(self, box: Box, dim: int, width: int, heads: int, rank: int) -> Box:
+        """Rank `rank`'s heads (each `width` wide) of `heads` along `dim`."""
+        return _cut(box, dim, rank * heads // self.size * width, (rank + 1) * heads // self.size * width)
 
 
 def _cut(box: Box, dim: int, lo: int, hi: int) -> Box:

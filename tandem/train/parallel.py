@@ -16,8 +16,11 @@ from tandem.util import residency
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
 
 # Qwen2/Llama-style decoder layers: column-parallel inputs of attention and MLP, row-parallel outputs, so each
-# layer needs one all-reduce after attention and one after the MLP and nothing between.
-_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+# layer needs one all-reduce after attention and one after the MLP and nothing between. DeepSeek-V3's multi-head
+# latent attention splits by heads its up-projections (q_b_proj, kv_b_proj: rows head by head) and keeps its
+# low-rank down-projections and their norms whole on every rank (see _LATENT_KV).
+_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
+            "self_attn.q_b_proj", "self_attn.kv_b_proj")
 _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
@@ -47,6 +50,27 @@ _PARTIAL_GRADS = ("self_attn.q_norm", "self_attn.k_norm")
 # that head's softmax). Each rank's attention reads the entries of its own heads (`_read_rank_heads`), so its gradient
 # covers those alone, summed over the tp group as the partial gradients above.
 _PER_HEAD = ("self_attn.sinks",)
+# MLA's kv down-projection, whole on every rank: its outputs are the kv latent, which reaches the heads through
+# kv_b_proj (whose ColwiseParallel sums the latent's gradient over the tp group), then qk_rope_head_dim columns of one
+# rotary key that every head uses directly. Each rank's backward gives those columns its own heads' part of their
+# gradient only, so `_RotaryKeyGrad` sums it over the group as it flows back, before it reaches the projection's
+# weight and the layer's input (every rank then holds the whole gradient of both).
+_LATENT_KV = "self_attn.kv_a_proj_with_mqa"
+
+
+class _RotaryKeyGrad(torch.autograd.Function):
+    """The identity forward; backward sums the gradient of the last columns from `start` on over `group`."""
+
+    @staticmethod
+    def forward(ctx, latent: torch.Tensor, start: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return latent.view_as(latent)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rotary = grad[..., ctx.start:].contiguous()
+        dist.all_reduce(rotary, group=ctx.group)
+        return torch.cat([grad[..., :ctx.start], rotary], dim=-1), None, None
 
 
 @dataclass(frozen=True)
@@ -212,6 +236,11 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
     names = {id(m): n for n, m in model.named_modules()}
     orders: dict[str, torch.Tensor] = {}
     partial: list[str] = []
+    group, latent = tp_mesh.get_group(), getattr(model.config, "kv_lora_rank", None)
+
+    def sum_rotary_key_grad(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return _RotaryKeyGrad.apply(out, latent, group)
+
     for layer in decoder_layers(model):
         prefix = names[id(layer)]
         plan = ({n: ColwiseParallel() for n in _COLWISE if _has(layer, n)}
@@ -234,8 +263,10 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
             partial.append(f"{prefix}.{n}")
         if _has(layer, "linear_attn"):
             _gated_delta_parallel(layer, prefix, tp_mesh.get_local_rank(), tp, plan, orders, partial)
+        if _has(layer, _LATENT_KV):
+            layer.get_submodule(_LATENT_KV).register_forward_hook(sum_rotary_key_grad)
         parallelize_module(layer, tp_mesh, plan)
-    return TPState(orders, tuple(partial), tp_mesh.get_group())
+    return TPState(orders, tuple(partial), group)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, expert_parallel: int = 1) -> TPState:

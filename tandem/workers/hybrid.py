@@ -174,8 +174,7 @@ class HybridWorker:
             return plan_to_replicas(src, ranks)
         c = self.policy.model.config
         heads = c.num_attention_heads
-        tp = EngineTP(self.engine_tp, heads, getattr(c, "num_key_value_heads", None) or heads,
-                      getattr(c, "head_dim", None) or c.hidden_size // heads)
+        tp = EngineTP(self.engine_tp, heads, getattr(c, "num_key_value_heads", None) or heads)
         groups = [ranks[i:i + self.engine_tp] for i in range(0, len(ranks), self.engine_tp)]
         return plan(src, engine_tp_layout({n: (p.shape, p.dtype) for n, p in src.items()}, groups, tp))
 

@@ -123,18 +123,13 @@ def test_grpo_step_with_vllm_and_logprobs_after_sync(zoo, arch, tmp_path):
 
 def test_every_zoo_architecture_passes_every_placement_and_one_outside_it_is_refused(zoo, tmp_path):
     for arch in (a for a in SUPPORT if a in zoo):
-        for extra, what in ((("rollout.engine=vllm",), "rollout.engine: vllm"),
-                            (("placement.backend=ray", "placement.workers=2", "placement.tensor_parallel=2"),
-                             "placement.tensor_parallel > 1")):
-            refused = dict(SUPPORT[arch].refused)
-            if what in refused:  # the table's refusal, with its reason
-                with pytest.raises(ConfigError, match=f"{re.escape(what)} is refused: {re.escape(refused[what])}"):
-                    check_supported(zoo_config(zoo[arch], tmp_path, *extra))
-            elif what == "rollout.engine: vllm" and SUPPORT[arch].cpu_vllm and not torch.cuda.is_available():
-                with pytest.raises(ConfigError, match=re.escape(SUPPORT[arch].cpu_vllm)):
-                    check_supported(zoo_config(zoo[arch], tmp_path, *extra))
-            else:
-                check_supported(zoo_config(zoo[arch], tmp_path, *extra))
+        check_supported(zoo_config(zoo[arch], tmp_path, "placement.backend=ray", "placement.workers=2",
+                                   "placement.tensor_parallel=2"))
+        if SUPPORT[arch].cpu_vllm and not torch.cuda.is_available():  # Qwen3.5: the table's reason
+            with pytest.raises(ConfigError, match=re.escape(SUPPORT[arch].cpu_vllm)):
+                check_supported(zoo_config(zoo[arch], tmp_path, "rollout.engine=vllm"))
+        else:
+            check_supported(zoo_config(zoo[arch], tmp_path, "rollout.engine=vllm"))
     # an architecture outside the zoo: the embedded engine in one process only
     config = json.loads((zoo["llama"] / "config.json").read_text())
     other = tmp_path / "other"
@@ -143,6 +138,24 @@ def test_every_zoo_architecture_passes_every_placement_and_one_outside_it_is_ref
     check_supported(zoo_config(other, tmp_path))
     with pytest.raises(ConfigError, match="'gpt_neox' is not among those tested with rollout.engine: vllm"):
         check_supported(zoo_config(other, tmp_path, "rollout.engine=vllm"))
+
+
+def test_vllm_refuses_a_deepseek_v3_checkpoint_without_the_routing_keys_it_reads(zoo, tmp_path):
+    """vLLM routes DeepSeek-V3 as config.json's scoring_func and topk_method say (softmax, and no correction bias,
+    where they are absent), transformers by sigmoid scores plus the bias whatever they say. A checkpoint without them
+    (as transformers' own DeepseekV3Config saves one) is refused with vLLM before any model loads, and runs with hf.
+    Seen without the refusal: no scoring_func, vLLM's logprobs 1e-4..5e-4 per token off the trainer's, under
+    rollout.max_logprob_diff's default; no topk_method, vLLM's loading fails on the bias (a KeyError)."""
+    config = json.loads((zoo["deepseek_v3"] / "config.json").read_text())
+    check_supported(zoo_config(zoo["deepseek_v3"], tmp_path, "rollout.engine=vllm"))
+    for key in ("scoring_func", "topk_method"):
+        bare = tmp_path / key
+        bare.mkdir()
+        (bare / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != key}))
+        check_supported(zoo_config(bare, tmp_path))
+        with pytest.raises(ConfigError, match=rf"rollout\.engine: vllm: model\.path's config\.json \(.*\) has "
+                                              rf"{key}=None; .* DeepSeek-V3 .* needs {key}: "):
+            check_supported(zoo_config(bare, tmp_path, "rollout.engine=vllm"))
 
 
 def test_the_stream_schedule_takes_every_zoo_architecture_and_refuses_what_it_cannot_decode(zoo, tmp_path):
@@ -238,7 +251,8 @@ def test_a_vllm_stream_carries_a_sliding_window_model_across_an_update_exactly(t
 
 def test_expert_parallel_is_refused_before_any_model_loads_where_the_experts_cannot_be_split(zoo, tmp_path):
     """placement.expert_parallel needs a mixture of experts whose expert count it divides (read from config.json:
-    qwen3_moe's num_experts, mixtral's num_local_experts, glm4_moe's n_routed_experts, 4 in the zoo)."""
+    qwen3_moe's num_experts, mixtral's num_local_experts, glm4_moe's and deepseek_v3's n_routed_experts, 4 in the
+    zoo)."""
     ray = ("placement.backend=ray", "placement.workers=4")
     for arch in (a for a in zoo_models.ARCHITECTURES if SUPPORT[a].experts):
         check_supported(zoo_config(zoo[arch], tmp_path, *ray, "placement.expert_parallel=2"))
@@ -325,11 +339,6 @@ def _reloads(policy) -> bool:
     return all(torch.equal(back[k], v) for k, v in shifted.items())
 
 
-def _refuses_tp(arch: str) -> bool:
-    """The support table refuses TP for it (another test checks the refusal and its reason)."""
-    return "placement.tensor_parallel > 1" in dict(SUPPORT[arch].refused)
-
-
 def _worker(rank: int, port: int, dirs: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
@@ -341,8 +350,6 @@ def _worker(rank: int, port: int, dirs: dict[str, str], out: str) -> None:
     for arch, path in dirs.items():
         result[arch] = {}
         for layout, (dp, tp) in (("fsdp", (2, 1)), ("tp", (1, 2))):
-            if layout == "tp" and _refuses_tp(arch):
-                continue
             try:
                 rows = [[0, 1], [2, 3]][rank] if dp == 2 else None
                 losses, policy = _one_update(path, build_mesh([0, 1], dp, tp, "cpu"), rows)
@@ -371,7 +378,7 @@ def test_one_update_under_fsdp_and_tp_matches_one_process(zoo, tmp_path, monkeyp
     for arch, path in dirs.items():
         single, policy = _one_update(path)
         weights = policy.full_state_dict()
-        for layout in ("fsdp",) if _refuses_tp(arch) else ("fsdp", "tp"):
+        for layout in ("fsdp", "tp"):
             for res in results:
                 got = res[arch][layout]
                 assert not isinstance(got, str), f"{arch} under {layout}: {got}"

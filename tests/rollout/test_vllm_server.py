@@ -98,3 +98,25 @@ def _streams_across_an_update(eng, hf, prompts: list[list[int]]) -> None:
             ref = hf_logprobs(model, r.prompt_ids, r.tokens, 0.8)
             if (v == version).any():
                 assert (ref - lp)[v == version].abs().max() < 1e-5, (r.key, version)
+
+
+def test_a_cpu_server_runs_latent_attention_with_the_rotary_embedding_in_pytorch(tmp_path):
+    """As the in-process engine does (tests/core/test_model_zoo.py's vLLM sync of DeepSeek-V3 is red without it): a
+    server on the CPU for a model with multi-head latent attention (config.json's kv_lora_rank) turns vLLM's rotary
+    kernel off (`cpu_custom_ops`), which rotates the latent attention's queries wrongly; for another model, and on a
+    GPU, the command leaves vLLM's custom ops as they are."""
+    import json
+
+    from tandem.rollout.vllm.server import _server_command
+
+    def command(config: dict, on_cpu: bool) -> list[str]:
+        folder = tmp_path / f"{config['model_type']}-{on_cpu}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        return _server_command(sys.executable, str(folder), 8000, "float32", 0, 1, 0.5, False, 64, None, on_cpu, False)
+
+    mla = {"model_type": "deepseek_v3", "kv_lora_rank": 512}
+    cmd = command(mla, on_cpu=True)
+    assert json.loads(cmd[cmd.index("--compilation-config") + 1]) == {"custom_ops": ["-rotary_embedding"]}
+    assert "--compilation-config" not in command(mla, on_cpu=False)
+    assert "--compilation-config" not in command({"model_type": "llama"}, on_cpu=True)

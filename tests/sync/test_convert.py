@@ -18,7 +18,7 @@ from tandem.sync.convert import ConversionError, Cut, ToCheckpoint  # noqa: E402
 from tandem.sync.layout import Mesh, Spec, build_layout, local_tensor, replicated_layout, shift, slices  # noqa: E402
 from tandem.sync.planner import plan  # noqa: E402
 
-MOE = ("qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_moe_text")
+MOE = ("qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_moe_text", "deepseek_v3")
 EXPERTS = 4  # zoo_models: num_experts / num_local_experts
 
 

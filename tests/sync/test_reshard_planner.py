@@ -273,3 +273,19 @@ def test_a_plan_is_a_value_and_its_executor_keeps_the_state(monkeypatch):
         assert all(torch.equal(got[n], full[n]) for n in params)
     assert cuts == [64]  # cut into rounds once, on the first run
     assert vars(p) == vars(plan(src, dst))
+
+
+def test_a_tp_engine_gets_each_latent_attention_tensor_cut_as_vllm_cuts_it():
+    """DeepSeek-V3 (tests/zoo_models.py's shapes: 2 heads, q/k heads 96 wide, v heads 32, head_dim 64 in its config:
+    the rotary part's) into a vLLM engine at TP 2: its up-projections split by heads (vLLM's ColumnParallelLinear),
+    o_proj by the v heads' columns (RowParallelLinear), the low-rank down-projections whole (vLLM replicates them)."""
+    from tandem.sync.layout import EngineTP
+
+    shapes = {"q_a_proj": (32, 64), "q_b_proj": (2 * 96, 32), "kv_a_proj_with_mqa": (512 + 64, 64),
+              "kv_b_proj": (2 * (32 + 32), 512), "o_proj": (64, 2 * 32)}
+    tp = EngineTP(2, heads=2, kv_heads=2)
+    box = {(leaf, r): tp.box(f"model.layers.0.self_attn.{leaf}.weight", shape, r)
+           for leaf, shape in shapes.items() for r in (0, 1)}
+    assert box["q_b_proj", 1] == ((96, 192), (0, 32)) and box["kv_b_proj", 1] == ((64, 128), (0, 512))
+    assert box["o_proj", 0] == ((0, 64), (0, 32)) and box["o_proj", 1] == ((0, 64), (32, 64))
+    assert box["q_a_proj", 1] == ((0, 32), (0, 64)) and box["kv_a_proj_with_mqa", 1] == ((0, 576), (0, 64))

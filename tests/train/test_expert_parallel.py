@@ -18,7 +18,7 @@ from test_parallel import _offload_roundtrip, _step  # noqa: E402  the same batc
 
 from tandem.config import AlgoConfig, OptimConfig  # noqa: E402
 
-ARCHS = ("qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_moe_text", "gpt_oss")
+ARCHS = ("qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3")
 FUSED_CHECKPOINTS = ("gpt_oss",)  # checkpoints that hold the experts fused, as the trainer does: no per-expert cuts
 # dp rank -> its rows of each 6-row mini-batch: uneven, and under dp 4 one rank has none at all, so it runs only
 # dummy micro-batches, yet must take part in every all-to-all of its EP group

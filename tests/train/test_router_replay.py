@@ -26,7 +26,8 @@ PROMPTS = [[5, 6, 7, 8, 9], [100, 20, 30], [200], [17, 3, 250, 9, 11, 12, 13]]
 SAMPLING = Sampling(n=2, temperature=1.0, max_new_tokens=6, seed=3, stop_token_ids=tuple(range(0, 258, 5)))
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_moe_text", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_moe_text", "gpt_oss",
+                                              "deepseek_v3"])
 def model_path(request, tmp_path_factory):
     return zoo_models.build(tmp_path_factory.mktemp(request.param) / request.param, request.param)
 
@@ -124,21 +125,31 @@ def test_aux_loss_is_transformers_load_balancing_loss(model_path):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     samples = _sample(model_path)
-    policy = _policy(model_path, router_aux_coef=0.0)
     (mb,) = make_micro_batches(samples, 4096, 0)
-    routing = policy.routing
-    with torch.no_grad(), routing.capture(logits=True) as record:
-        out = policy.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                           use_cache=False, output_router_logits=True)
-    ours = moe.load_balancing_loss(record, mb.attention_mask, routing.num_experts)
-    theirs = load_balancing_loss_func(out.router_logits, routing.num_experts, routing.top_k, mb.attention_mask)
+
+    def aux_loss(policy, as_one_group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tandem's loss, transformers') of one forward; `as_one_group`: DeepSeek-V3's router chooses among all
+        experts instead of within its best group, the one choice transformers' function knows (the top-k of all;
+        tandem counts the experts the forward used)."""
+        for router in (r for r in policy.routing.routers if as_one_group and hasattr(r, "topk_group")):
+            router.num_group = router.topk_group = 1
+        with torch.no_grad(), policy.routing.capture(logits=True) as record:
+            out = policy.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                               position_ids=mb.position_ids, use_cache=False, output_router_logits=True)
+        routing = policy.routing
+        return (moe.load_balancing_loss(record, mb.attention_mask, routing.num_experts),
+                load_balancing_loss_func(out.router_logits, routing.num_experts, routing.top_k, mb.attention_mask))
+
+    ours, theirs = aux_loss(_policy(model_path, router_aux_coef=0.0), as_one_group=True)
     assert abs(float(ours) - float(theirs)) < 1e-6
+    policy = _policy(model_path, router_aux_coef=0.0)
+    ours = aux_loss(policy)[0]  # as the model routes (DeepSeek-V3: its best group)
     off = _step(policy, samples)
     on = _step(_policy(model_path, router_aux_coef=0.5), samples)
     assert "moe/aux_loss" not in off
-    assert on["moe/aux_loss"] == pytest.approx(float(theirs), abs=1e-6)
-    assert on["loss"] - off["loss"] == pytest.approx(0.5 * float(theirs), abs=1e-5)
-    # None: the model's own; GLM-4.5 has none (it balances by its routers' correction bias), so 0
+    assert on["moe/aux_loss"] == pytest.approx(float(ours), abs=1e-6)
+    assert on["loss"] - off["loss"] == pytest.approx(0.5 * float(ours), abs=1e-5)
+    # None: the model's own; GLM-4.5 and DeepSeek-V3 have none (they balance by their routers' correction bias), so 0
     assert _policy(model_path).aux_coef == (getattr(policy.model.config, "router_aux_loss_coef", 0.0) or 0.0)
 
 

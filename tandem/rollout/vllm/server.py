@@ -20,7 +20,7 @@ import torch
 
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest
-from tandem.rollout.vllm.sampling import WORKER_EXTENSION, _finish, _requests, _sampling_kwargs
+from tandem.rollout.vllm.sampling import WORKER_EXTENSION, _finish, _requests, _sampling_kwargs, cpu_custom_ops
 from tandem.rollout.vllm.weights import Bucket, EngineWeights, SyncStats
 from tandem.rollout.vllm_worker import encode_weights
 from tandem.util.net import free_address
@@ -45,6 +45,8 @@ def _server_command(python: str, model_path: str, port: int, dtype: str, seed: i
         cmd += ["--max-model-len", str(max_model_len)]
     if on_cpu:
         cmd.append("--enforce-eager")
+        if cpu_custom_ops(model_path):
+            cmd += ["--compilation-config", json.dumps({"custom_ops": cpu_custom_ops(model_path)})]
         kv_cache_bytes = kv_cache_bytes or (1 << 30)  # vLLM-CPU would otherwise reserve most of the RAM
     elif enable_sleep:
         cmd.append("--enable-sleep-mode")
