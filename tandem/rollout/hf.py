@@ -306,12 +306,12 @@ def _repeat_rows(cache, n: int) -> None:
     """Each row of a prefill's cache `n` times over, in place: an attention layer's keys and values, a linear-attention
     layer's (Qwen3.5's Gated DeltaNet) recurrent state and convolution window, which transformers' own
     `batch_repeat_interleave` leaves out."""
-    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             states = [t for t in (*layer.conv_states.values(), *layer.recurrent_states.values()) if t is not None]
             if states:
                 layer.reorder_cache(torch.arange(states[0].shape[0]).repeat_interleave(n))
-        if isinstance(layer, DynamicLayer):
-            DynamicLayer.batch_repeat_interleave(layer, n)
+        if hasattr(layer, "batch_repeat_interleave"):  # an attention layer's (a hybrid layer's attention part)
+            layer.batch_repeat_interleave(n)
