@@ -22,6 +22,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def timed_update(policy, mbs: list, adv: torch.Tensor) -> float:
+    """Seconds of one update of `policy` on the micro-batches `mbs` (their old and reference logprobs prepared first,
+    untimed), the weights restored after it, so the next layout updates from the same ones."""
+    weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    prepared = policy.prepare([mbs], len(adv))
+    start = time.perf_counter()
+    policy.update(prepared, adv)
+    elapsed = time.perf_counter() - start
+    policy.model.load_state_dict(weights)
+    return elapsed
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=24)
@@ -61,12 +73,7 @@ def main() -> None:
             batch.BUCKET_PASS_TOKENS = default if layout == "buckets" else 1 << 40
             mbs = batch.make_micro_batches(Samples.of_call(comps), cfg.batch.micro_batch_tokens, tok.pad_token_id,
                                            by_prompt=True)
-            weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
-            prepared = policy.prepare([mbs], len(comps))
-            start = time.perf_counter()
-            policy.update(prepared, adv)
-            elapsed = time.perf_counter() - start
-            policy.model.load_state_dict(weights)
+            elapsed = timed_update(policy, mbs, adv)
             if step >= args.warmup:
                 times[layout].append(elapsed)
                 positions[layout].append(sum(len(r) * w for mb in mbs for r, w in mb.shared.buckets))

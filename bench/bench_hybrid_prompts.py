@@ -17,22 +17,16 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-def matmul_gflops(n: int = 512, reps: int = 20) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e9
+from bench_buckets import timed_update  # noqa: E402  the same timing of one update, weights restored after it
+from bench_trl import matmul_gflops  # noqa: E402
 
 
 def main() -> None:
@@ -74,15 +68,10 @@ def main() -> None:
         for layout in order:
             policy.share_prompts = layout == "prompt once"
             mbs = make_micro_batches(Samples.of_call(comps), 1 << 20, tokenizer.pad_token_id, by_prompt=True)
-            weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
-            prepared = policy.prepare([mbs], len(comps))
-            start = time.perf_counter()
-            policy.update(prepared, adv)
-            elapsed = time.perf_counter() - start
-            policy.model.load_state_dict(weights)
+            elapsed = timed_update(policy, mbs, adv)
             if step >= args.warmup:
                 times[layout].append(elapsed)
-    print(f"\nQwen3.5 (HybridDemoSpec, untrained) update, 1 torch thread ({matmul_gflops():.1f} GFLOP/s fp32 matmul), "
+    print(f"\nQwen3.5 (HybridDemoSpec, untrained) update, 1 torch thread ({matmul_gflops(1):.1f} GFLOP/s fp32 matmul), "
           f"{args.steps - args.warmup} batches of 8 prompts x 8 (after {args.warmup} warm-up), prompts "
           f"{args.prompt} tokens, completions up to {args.completion}, alternating layouts on the same weights")
     print(f"{'layout':<14}{'update s (median)':>20}")

@@ -136,8 +136,6 @@ def check_supported(cfg) -> None:
                           "algo.router_replay: false")
     if pl.schedule == "stream":
         _check_stream(cfg, kind, known)
-    if known is not None:
-        _check_cpu_vllm(known, kind, engine)
     if known is None:
         if wants:
             raise ConfigError(
@@ -150,6 +148,7 @@ def check_supported(cfg) -> None:
     if pl.expert_parallel > 1:
         _check_expert_parallel(cfg.model.path, pl.expert_parallel, kind, known)
     if engine == "vllm":
+        _check_cpu_vllm(known, kind)
         _check_vllm_config(cfg.model.path, known)
 
 
@@ -166,11 +165,11 @@ def _check_vllm_config(path: str, known: Support) -> None:
                           "(transformers ignores them), or use rollout.engine: hf")
 
 
-def _check_cpu_vllm(known: Support, kind: str, engine: str) -> None:
+def _check_cpu_vllm(known: Support, kind: str) -> None:
     """vLLM on a machine without a GPU, for an architecture vLLM-CPU cannot run (`Support.cpu_vllm`)."""
     import torch
 
-    if engine == "vllm" and known.cpu_vllm and not torch.cuda.is_available():
+    if known.cpu_vllm and not torch.cuda.is_available():
         raise ConfigError(f"model.path is {known.name} ({kind!r}) and rollout.engine: vllm on a machine without a GPU: "
                           f"{known.cpu_vllm}")
 
@@ -190,6 +189,15 @@ def linear_attention_layers(config: dict) -> bool:
     return "linear_attention" in (config.get("text_config", config).get("layer_types") or [])
 
 
+def unstreamable_layers(config: dict) -> str:
+    """The layers of a model's config that the hf engine's streaming decoder cannot hold, described; "" if none."""
+    if sliding_window_layers(config):
+        return "sliding-window attention layers (config.json's sliding_window or layer_types)"
+    if linear_attention_layers(config):
+        return "linear-attention layers (a recurrent state, not a KV cache)"
+    return ""
+
+
 def _check_stream(cfg, kind: str, known: Support | None) -> None:
     """What the hf engine's streaming decoder (tandem.rollout.stream) runs: every architecture of the zoo whose
     layers all attend to every position through a KV cache (tests/rollout/test_stream.py carries a request across a
@@ -205,14 +213,10 @@ def _check_stream(cfg, kind: str, known: Support | None) -> None:
     if known is None:
         raise ConfigError(f"placement.schedule: stream on the hf engine is tested with the model zoo's architectures "
                           f"({', '.join(sorted(SUPPORT))}); model.path is {kind!r}: use placement.schedule: async")
-    config = read_json(Path(cfg.model.path).expanduser() / "config.json")
-    for has, what in ((sliding_window_layers, "sliding-window attention layers (config.json's sliding_window or "
-                                              "layer_types)"),
-                      (linear_attention_layers, "linear-attention layers (a recurrent state, not a KV cache)")):
-        if has(config):
-            raise ConfigError(f"placement.schedule: stream: model.path ({known.name}) has {what}, which the hf "
-                              "engine's streaming decoder cannot hold; use rollout.engine: vllm, or "
-                              "placement.schedule: async")
+    what = unstreamable_layers(read_json(Path(cfg.model.path).expanduser() / "config.json"))
+    if what:
+        raise ConfigError(f"placement.schedule: stream: model.path ({known.name}) has {what}, which the hf engine's "
+                          "streaming decoder cannot hold; use rollout.engine: vllm, or placement.schedule: async")
 
 
 # Where an MoE's config.json gives its expert count (per layer; every MoE layer has as many): Qwen3-MoE's checkpoints

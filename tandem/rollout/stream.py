@@ -8,7 +8,7 @@ from typing import Hashable
 
 import torch
 
-from tandem.architectures import SUPPORT, linear_attention_layers, sliding_window_layers
+from tandem.architectures import SUPPORT, unstreamable_layers
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine, _draw, uniforms
 
@@ -44,9 +44,7 @@ class Finished:
 def streams(model) -> bool:
     """Whether the hf engine streams this model: an architecture of the zoo whose layers all attend to every position
     through a KV cache (tandem.architectures' `_check_stream` says why, before any model loads)."""
-    config = model.config.to_dict()
-    return (model.config.model_type in SUPPORT and not sliding_window_layers(config)
-            and not linear_attention_layers(config))
+    return model.config.model_type in SUPPORT and not unstreamable_layers(model.config.to_dict())
 
 
 FILL_PADDING = 1.25  # SlotDecoder.fill: the most padded positions a prefill batch may run per real one

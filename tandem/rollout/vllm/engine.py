@@ -84,8 +84,9 @@ class VLLMEngine:
                       enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep,
                       tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                       **_sizes(self.on_cpu, kv_cache_bytes, max_num_seqs, max_num_batched_tokens))
-        if self.on_cpu and cpu_custom_ops(self.model_path):
-            kwargs["compilation_config"] = {"custom_ops": cpu_custom_ops(self.model_path)}
+        ops = cpu_custom_ops(self.model_path) if self.on_cpu else []
+        if ops:
+            kwargs["compilation_config"] = {"custom_ops": ops}
         self.max_lora_rank = lora_rank_for(lora_rank) if lora_rank else 0
         if lora_rank:  # two slots: the adapter being replaced and its successor
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=2)

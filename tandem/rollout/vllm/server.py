@@ -45,8 +45,9 @@ def _server_command(python: str, model_path: str, port: int, dtype: str, seed: i
         cmd += ["--max-model-len", str(max_model_len)]
     if on_cpu:
         cmd.append("--enforce-eager")
-        if cpu_custom_ops(model_path):
-            cmd += ["--compilation-config", json.dumps({"custom_ops": cpu_custom_ops(model_path)})]
+        ops = cpu_custom_ops(model_path)
+        if ops:
+            cmd += ["--compilation-config", json.dumps({"custom_ops": ops})]
         kv_cache_bytes = kv_cache_bytes or (1 << 30)  # vLLM-CPU would otherwise reserve most of the RAM
     elif enable_sleep:
         cmd.append("--enable-sleep-mode")
