@@ -17,6 +17,8 @@ from tiny_qwen import hf_greedy, hf_logprobs  # noqa: E402
 from tandem.rollout.base import Sampling  # noqa: E402
 
 LOGPROB_TOL = 1e-4  # as for the in-process engine; measured here: 1.5e-6
+LONG = 1000  # _streams_across_an_update's long request's tokens (with its prompt, within max_model_len 2048)
+SET_UP_TRIES = 5
 
 
 @pytest.mark.slow
@@ -29,7 +31,7 @@ def test_server_generates_and_updates_weights(tiny_models, tmp_path):
     path = str(tiny_models["tied"])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [[5, 6, 7, 8], [100, 20, 30]]
-    with VLLMServerEngine(path, max_model_len=512, kv_cache_bytes=32 << 20, python=sys.executable,
+    with VLLMServerEngine(path, max_model_len=2048, kv_cache_bytes=32 << 20, python=sys.executable,
                           log_path=str(tmp_path / "server.log")) as eng:
         assert eng.base_url.startswith("http://127.0.0.1:")
         sampled = eng.generate(prompts, Sampling(n=3, temperature=0.7, max_new_tokens=8, ignore_eos=True, seed=1))
@@ -63,32 +65,19 @@ def _streams_across_an_update(eng, hf, prompts: list[list[int]]) -> None:
     its slot and is all version 1."""
     import copy
 
-    from tandem.rollout.stream import Request
-    from tandem.rollout.vllm.stream import ServerStream
-
-    stream = ServerStream(eng, Sampling(n=1, temperature=0.8, max_new_tokens=24, ignore_eos=True), slots=2)
-    stream.add(Request(0, prompts[0], 128, seed=0))
-    done = []
-    while not stream.running or len(stream.running[0].tokens) < 4:
-        done += stream.step(0)
-    stream.add(Request(1, prompts[1], 24, seed=1))
-    stream.add(Request(2, prompts[2], 24, seed=2))
-    done += stream.step(0)  # request 1 submitted (it cannot sample 24 tokens before request 0's next token arrives)
     old = copy.deepcopy(hf)
     g = torch.Generator().manual_seed(5)
     new = {n: t + 0.3 * max(t.std().item(), 0.02) * torch.randn(t.shape, generator=g)
            for n, t in hf.state_dict().items() if n != "lm_head.weight"}
-    assert 1 in stream.running and not done
-    stream._calls[1].join(60)  # request 1 done on the server, its last chunk waiting in the inbox
-    assert not stream._calls[1].is_alive()
-    stream.suspend()
+    stream = _stream_with_one_finished_and_one_running(eng, prompts)
     eng.load_weights(new.items())
     hf.load_state_dict(new, strict=False)
     stream.reload()
+    done = []
     while stream.in_flight:
         done += stream.step(1)
     requests = sorted((f.request for f in done), key=lambda r: r.key)
-    assert [(r.key, len(r.tokens)) for r in requests] == [(0, 128), (1, 24), (2, 24)]
+    assert [(r.key, len(r.tokens)) for r in requests] == [(0, LONG), (1, 24), (2, 24)]
     assert requests[1].versions == [0] * 24 and requests[2].versions == [1] * 24
     assert 0 in requests[0].versions and 1 in requests[0].versions  # carried across the update
     for r in requests:
@@ -98,6 +87,31 @@ def _streams_across_an_update(eng, hf, prompts: list[list[int]]) -> None:
             ref = hf_logprobs(model, r.prompt_ids, r.tokens, 0.8)
             if (v == version).any():
                 assert (ref - lp)[v == version].abs().max() < 1e-5, (r.key, version)
+
+
+def _stream_with_one_finished_and_one_running(eng, prompts: list[list[int]]):
+    """A suspended ServerStream where request 0 (long) runs with tokens of version 0, request 1 finished on the server
+    with its last chunk not yet taken, and request 2 waits for a slot. The two calls race on the server: this process
+    was seen to stall for up to 3.7 s right after submitting request 0 (stop 53's CI: request 1's call sent late and
+    request 0 finished alone first), so a race lost is set up again, not asserted on."""
+    from tandem.rollout.stream import Request
+    from tandem.rollout.vllm.stream import ServerStream
+
+    for _ in range(SET_UP_TRIES):
+        stream = ServerStream(eng, Sampling(n=1, temperature=0.8, max_new_tokens=24, ignore_eos=True), slots=2)
+        stream.add(Request(0, prompts[0], LONG, seed=0))
+        stream.add(Request(1, prompts[1], 24, seed=1))
+        stream.add(Request(2, prompts[2], 24, seed=2))
+        done = stream.step(0)  # requests 0 and 1 submitted
+        if set(stream.running) == {0, 1} and not done:
+            stream._calls[1].join(60)  # request 1 done on the server, its last chunk waiting in the inbox
+            assert not stream._calls[1].is_alive()
+            stream.suspend()
+            if 0 in stream.running and stream.running[0].tokens:
+                return stream
+        for key in range(3):
+            stream.discard(key)
+    raise AssertionError(f"request 0 outran request 1 in {SET_UP_TRIES} tries: the test process stalls for seconds")
 
 
 def test_a_cpu_server_runs_latent_attention_with_the_rotary_embedding_in_pytorch(tmp_path):
@@ -120,3 +134,4 @@ def test_a_cpu_server_runs_latent_attention_with_the_rotary_embedding_in_pytorch
     assert json.loads(cmd[cmd.index("--compilation-config") + 1]) == {"custom_ops": ["-rotary_embedding"]}
     assert "--compilation-config" not in command(mla, on_cpu=False)
     assert "--compilation-config" not in command({"model_type": "llama"}, on_cpu=True)
+
