@@ -52,7 +52,7 @@ VLLM = ["rollout.engine=vllm", "rollout.vllm.kv_cache_mb=64", "rollout.vllm.max_
 
 
 def run(schedule: str, steps: int, out: Path, model: str, extra: list[str], samplers: int = 1) -> list[dict]:
-    from tandem.cli import DEMO_DEFAULTS
+    from tandem.demo import DEMO_DEFAULTS
     from tandem.config import load_config
     from tandem.trainer import train
 

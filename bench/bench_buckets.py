@@ -42,7 +42,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     import tandem.train.batch as batch
-    from tandem.cli import DEMO_DEFAULTS
+    from tandem.demo import DEMO_DEFAULTS
     from tandem.config import load_config
     from tandem.data.sources import load_task_rows, tokenize_rows
     from tandem.demo import demo_model

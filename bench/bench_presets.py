@@ -48,7 +48,7 @@ def main() -> None:
     if args.demo:
         sys.exit(demo_runs(args.configs, args.seeds))
 
-    from tandem.cli import DEMO_DEFAULTS
+    from tandem.demo import DEMO_DEFAULTS
     from tandem.config import load_config
     from tandem.demo import demo_model
     from tandem.trainer import train

@@ -16,14 +16,6 @@ from tandem.workers.group import WorkerError
 
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, KeyError)
 
-# The demo's settings over the config defaults (which already pick the arithmetic task); a preset YAML given to
-# `tandem demo --config` and command-line overrides go on top.
-DEMO_DEFAULTS = [
-    "run.name=demo", "run.output_dir=runs/demo", "run.steps=120", "run.eval_every=20", "run.save_every=40",
-    "batch.prompts_per_step=32", "batch.group_size=8", "rollout.max_new_tokens=6", "data.max_prompt_tokens=16",
-    "batch.micro_batch_tokens=4096", "optim.lr=2e-4", "data.eval_size=500",
-]
-
 
 def _train(args) -> int:
     from tandem.trainer import train
@@ -40,6 +32,7 @@ def _start(args, default: str) -> str:
 
 
 def _demo(args) -> int:
+    from tandem.demo import DEMO_DEFAULTS
     from tandem.trainer import train
 
     start = time.perf_counter()
@@ -47,7 +40,8 @@ def _demo(args) -> int:
     path = _demo_model(first)
     # the demo's model under the preset's (a path given there is trained instead), or in place of its demo:<name>
     named = first.model.path.startswith("demo:")
-    cfg = load_config(args.config, args.overrides + [f"model.path={path}"] * named,
+    teacher = _demo_teacher(first)
+    cfg = load_config(args.config, args.overrides + [f"model.path={path}"] * named + teacher,
                       DEMO_DEFAULTS + [f"model.path={path}"] * (not named))
     summary = train(cfg, resume=_start(args, "replace"))  # the demo is meant to be rerun: it replaces its last run
     summary["wall_seconds_including_bootstrap"] = round(time.perf_counter() - start, 1)
@@ -69,6 +63,20 @@ def _demo_model(cfg) -> Path:
                               f"{', '.join('demo:' + n for n in DEMO_MODELS)} (or leave model.path empty)")
         return demo_model(DEMO_MODELS[name]())
     return demo_model()
+
+
+def _demo_teacher(cfg) -> list[str]:
+    """The override that puts the demo's GRPO-trained model in place of `algo.distill.teacher: demo:grpo`
+    (examples/distill.yaml), built on first use; none where the teacher is a folder or unset."""
+    from tandem.demo import GRPO_TEACHER, grpo_demo_model
+
+    teacher = cfg.algo.distill.teacher
+    if not teacher.startswith("demo:"):
+        return []
+    if teacher != GRPO_TEACHER:
+        raise ConfigError(f"algo.distill.teacher: {teacher!r} names no demo model; the demo's teacher is "
+                          f"{GRPO_TEACHER!r} (its own GRPO-trained model), or give a model folder")
+    return [f"algo.distill.teacher={grpo_demo_model()}"]
 
 
 def _optional_config(args) -> None:

@@ -15,28 +15,29 @@ class ModelFolderError(ValueError):
     pass
 
 
-def check_model_folder(path: str) -> Path:
+def check_model_folder(path: str, field: str = "model.path") -> Path:
     """Refuse a path that is not a whole local causal-LM folder before anything heavy happens: its config, every
-    weights file and its tokenizer are checked (cheaply: JSON, safetensors headers and file sizes, names)."""
+    weights file and its tokenizer are checked (cheaply: JSON, safetensors headers and file sizes, names). `field`:
+    the config field the errors name (the policy's, or another model's such as algo.distill.teacher)."""
     if not path:
-        raise ModelFolderError("model.path: empty; point it at a local Hugging Face model folder "
+        raise ModelFolderError(f"{field}: empty; point it at a local Hugging Face model folder "
                                "(config.json + *.safetensors + tokenizer files), or run `tandem demo`")
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ModelFolderError(f"model.path: {path!r} is not a folder; point it at a local Hugging Face model "
+        raise ModelFolderError(f"{field}: {path!r} is not a folder; point it at a local Hugging Face model "
                                "folder (downloads are not done at run time: `huggingface-cli download` it first)")
-    check_model_files(p)
-    check_tokenizer_files(p)
+    check_model_files(p, field)
+    check_tokenizer_files(p, field)
     return p
 
 
-def check_model_files(folder: Path) -> None:
+def check_model_files(folder: Path, field: str = "model.path") -> None:
     """What a model load reads: config.json with a model_type, and safetensors files that are whole."""
     if not (folder / "config.json").is_file():
         if (folder / "adapter_config.json").is_file():
-            raise ModelFolderError(f"model.path: {str(folder)!r} is a LoRA adapter, not a whole model; merge it into "
+            raise ModelFolderError(f"{field}: {str(folder)!r} is a LoRA adapter, not a whole model; merge it into "
                                    f"its base with `tandem export {folder} MERGED` and use MERGED")
-        raise ModelFolderError(f"model.path: {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
+        raise ModelFolderError(f"{field}: {str(folder)!r} has no config.json; is it a Hugging Face model folder?")
     config = read_json(folder / "config.json")
     if not isinstance(config, dict):
         raise ModelFolderError(f"{folder / 'config.json'}: expected a JSON object, got {type(config).__name__}; "
@@ -46,7 +47,7 @@ def check_model_files(folder: Path) -> None:
                                f"it; keys here: {sorted(config)[:8]}); is this a model's config.json?")
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
-        raise ModelFolderError(f"model.path: {str(folder)!r} has no *.safetensors weights; convert the checkpoint "
+        raise ModelFolderError(f"{field}: {str(folder)!r} has no *.safetensors weights; convert the checkpoint "
                                "with `save_pretrained(..., safe_serialization=True)`")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -91,14 +92,28 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json + merges.txt", "tokenizer.model
                    "sentencepiece.bpe.model", "vocab.txt", "*.tiktoken")
 
 
-def check_tokenizer_files(folder: Path) -> None:
+def check_tokenizer_files(folder: Path, field: str = "model.path") -> None:
     if any(all(any(folder.glob(name)) for name in alt.split(" + ")) for alt in TOKENIZER_FILES):
         return
     found = sorted(f.name for f in folder.iterdir()) if folder.is_dir() else []
     listing = ", ".join(found[:12]) + (", ..." if len(found) > 12 else "")
-    raise ModelFolderError(f"model.path: {str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} "
+    raise ModelFolderError(f"{field}: {str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} "
                            f"is there (found: {listing or 'nothing'}); save it beside the weights "
                            "(`tokenizer.save_pretrained(folder)`) or copy its files from the base model's folder")
+
+
+def check_same_tokenizer(model_path: str, other: str, field: str, trust_remote_code: bool = False) -> None:
+    """Refuse a second model (a teacher) whose tokenizer maps any token to another id than the policy's: its
+    logprobs of the policy's token ids would be of other tokens, and nothing downstream could tell."""
+    ours, theirs = (load_tokenizer(p, trust_remote_code).get_vocab() for p in (model_path, other))
+    differ = sorted({t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t)})
+    if differ:
+        shown = ", ".join(f"{t!r} ({ours.get(t)} vs {theirs.get(t)})" for t in differ[:3])
+        raise ModelFolderError(
+            f"{field}: {other!r} has another tokenizer than model.path {model_path!r} ({len(ours)} vs {len(theirs)} "
+            f"tokens; {len(differ)} map to different ids or to none, e.g. {shown}): its logprobs "
+            "would be of other tokens than the policy samples; use a model sharing the policy's tokenizer (the "
+            "same family and vocabulary)")
 
 
 def read_json(file: Path) -> Any:

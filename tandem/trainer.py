@@ -13,7 +13,7 @@ from tandem.algo import ADVANTAGES
 from tandem.architectures import check_supported
 from tandem.config import Config, ConfigError
 from tandem.data.sources import Prompt, PromptStream, load_prompts
-from tandem.modeling import check_model_folder, load_tokenizer
+from tandem.modeling import check_model_folder, check_same_tokenizer, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.run import checkpoint
 from tandem.run.card import model_card
@@ -321,11 +321,16 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
 
 
 def _check_before_loading(cfg: Config) -> None:
-    """What can be refused before any model loads: the model folder, its architecture in this engine and
-    placement, the devices that placement needs, LoRA's targets (on no weights), the environment's arguments."""
+    """What can be refused before any model loads: the model folder (and a distillation teacher's, with its
+    tokenizer), its architecture in this engine and placement, the devices that placement needs, LoRA's targets (on
+    no weights), the environment's arguments."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     check_model_folder(cfg.model.path)
+    if cfg.algo.distill.teacher:
+        check_model_folder(cfg.algo.distill.teacher, "algo.distill.teacher")
+        check_same_tokenizer(cfg.model.path, cfg.algo.distill.teacher, "algo.distill.teacher",
+                             cfg.model.trust_remote_code)
     check_supported(cfg)
     placement.check_devices(cfg)
     lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)

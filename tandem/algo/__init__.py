@@ -8,6 +8,7 @@ from tandem.algo.core import (  # noqa: F401
     LossParams,
     LossSpec,
     aggregation_totals,
+    distill_advantages,
     entropy_from_logits,
     entropy_from_logprobs,
     entropy_loss_term,

@@ -223,6 +223,15 @@ def kl_reward_penalty(kl: Tensor, mask: Tensor, coef: float) -> Tensor:
     return (coef * (kl * mask).sum(-1)).detach()
 
 
+def distill_advantages(old_logp: Tensor, teacher_logp: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """On-policy distillation's per-token advantage [B,T] (algo.distill): coef * (log pi_teacher - log pi_old) at each
+    sampled token, 0 off the mask. At a token the policy sampled, log pi_old - log pi_teacher is the one-sample (k1)
+    estimate of the reverse KL(pi_old || pi_teacher) there; as an advantage its negative raises the tokens the teacher
+    likes more than the policy does, and the policy gradient of its expectation is that of the reverse KL (Thinking
+    Machines' on-policy distillation; GKD with reverse KL, Agarwal et al. 2024). Detached: the teacher is a target."""
+    return (coef * (teacher_logp - old_logp) * mask).detach()
+
+
 # ---------------------------------------------------------------------------------------------- policy losses
 
 

@@ -48,6 +48,25 @@ class BatchConfig(Section):
     )
 
 
+class DistillConfig(Section):
+    """On-policy distillation (Agarwal et al. 2024's GKD with reverse KL; Thinking Machines' on-policy distillation):
+    the policy samples, a teacher scores every sampled token, and each token's advantage gains
+    coef * (log pi_teacher - log pi_old), the negative of the per-token reverse KL(policy || teacher) at that
+    token. Its expectation over the policy's samples is the reverse KL, which this advantage lowers."""
+
+    teacher: str = Field(
+        "", description="The teacher: a causal-LM checkpoint folder sharing the policy's tokenizer (refused before "
+        "models load otherwise, naming both). Empty = no distillation. `tandem demo` reads `demo:grpo` as the "
+        "demo's own GRPO-trained model (examples/distill.yaml). It loads beside the policy, sharded as the "
+        "reference is, and with placement.offload is on the device only while it scores (the logprobs phase).",
+    )
+    coef: float = Field(
+        1.0, gt=0.0, description="Weight of the teacher's per-token term in the advantage. Distillation alone: "
+        "give every reward weight 0 (the first reward is still what eval/accuracy and train/accuracy count); "
+        "with the task reward: GRPO's per-completion advantage plus this per-token term.",
+    )
+
+
 class AlgoConfig(Section):
     advantage: str = Field(
         "grpo", description="Advantage estimator (tandem.algo.ADVANTAGES): `grpo` (DeepSeekMath: (r - group mean) / "
@@ -142,6 +161,10 @@ class AlgoConfig(Section):
         "and trainer numerics does not change which experts a token's logprob comes from. Off by default: it "
         "trains a routing the current router may no longer pick; `moe/route_mismatch` (without it) shows whether it is "
         "needed, `moe/route_mismatch_unreplayed` (with it) what it overrides. Rows without routes route on their own.",
+    )
+    distill: DistillConfig = Field(
+        default_factory=DistillConfig, description="On-policy distillation from a teacher model (off while "
+        "distill.teacher is empty).",
     )
     router_aux_coef: float | None = Field(
         None, ge=0.0, description="Mixture of experts: weight of the Switch load-balancing loss of each policy "

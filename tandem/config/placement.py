@@ -60,8 +60,9 @@ class PlacementConfig(Section):
     )
     offload: bool | Literal["auto"] = Field(
         "auto", description="Colocated workers move the idle side off the compute device bucket by bucket: policy "
-        "params/grads/optimizer and reference while sampling, the engine while training. `auto`: on for GPUs, off "
-        "on CPU (there host and device are the same memory; `true` still runs it, for tests and accounting).",
+        "params/grads/optimizer, reference and distillation teacher while sampling, the engine while training. "
+        "`auto`: on for GPUs, off on CPU (there host and device are the same memory; `true` still runs it, for tests "
+        "and accounting).",
     )
     ray_address: str = Field(
         "", description="Connect to this Ray cluster (multi-node); empty = start a Ray on 127.0.0.1 for this run.",

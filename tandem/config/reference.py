@@ -21,12 +21,21 @@ def config_reference() -> str:
             entries = [e.model_dump() for e in field.default_factory()]
             out.append(f"Default: `{entries!r}`. Each entry:\n")
         out.append("| key | default | meaning |\n|---|---|---|")
-        for name, f in model.model_fields.items():
-            if f.is_required():
-                shown = "required"
-            else:
-                default = f.default_factory() if f.default_factory else f.default
-                shown = f"`{(default.model_dump() if isinstance(default, BaseModel) else default)!r}`"
-            out.append(f"| `{section}.{name}` | {shown} | {f.description or ''} |")
+        out += _rows(section, model)
         out.append("")
     return "\n".join(out)
+
+
+def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
+    """A table row per field of `model`; a field that is itself a section (algo.distill) is followed by its own."""
+    rows = []
+    for name, f in model.model_fields.items():
+        if f.is_required():
+            shown = "required"
+        else:
+            default = f.default_factory() if f.default_factory else f.default
+            shown = f"`{(default.model_dump() if isinstance(default, BaseModel) else default)!r}`"
+        rows.append(f"| `{prefix}.{name}` | {shown} | {f.description or ''} |")
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            rows += _rows(f"{prefix}.{name}", f.annotation)
+    return rows

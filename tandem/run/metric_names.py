@@ -128,6 +128,10 @@ GROUPS: dict[str, tuple[str, tuple[Metric, ...]]] = {
         Metric("kl", "nats", "Mean per-token KL estimate (`algo.kl_estimator`) of the policy from the reference "
                "model: how far training has moved the policy; `algo.kl_coef` weighs it.",
                written="`algo.kl_coef` > 0", demos=False),
+        Metric("distill/reverse_kl", "nats", "On-policy distillation: mean over the sampled tokens of log pi - log "
+               "pi_teacher, the one-sample estimate of the reverse KL(policy || teacher) the distillation lowers; "
+               "each token's advantage gains `algo.distill.coef` times its negative. Falls as the student learns.",
+               written="`algo.distill.teacher` set", demos=False),
     )),
     "Mixture of experts": ("Routing of a mixture-of-experts model's tokens (the trainer's forwards).", (
         Metric("moe/aux_loss", "scalar", "Mean Switch load-balancing loss of the update's forwards (added to the "
@@ -225,12 +229,15 @@ GROUPS: dict[str, tuple[str, tuple[Metric, ...]]] = {
         Metric("time/reward", "seconds", "Time spent scoring the step's samples (every round)."),
         Metric("time/trainer_idle", "seconds", "The trainer's wait from the end of its previous work (weight sync) "
                "to this step's batch."),
-        Metric("time/logprobs", "seconds", "Time computing old-policy and reference logprobs before the update."),
+        Metric("time/logprobs", "seconds", "Time computing old-policy, reference and teacher logprobs before the "
+               "update."),
+        Metric("time/teacher", "seconds", "The part of time/logprobs the distillation teacher's forwards took.",
+               written="`algo.distill.teacher` set", demos=False),
         Metric("time/update", "seconds", "Time of the update: forwards, backwards and optimizer steps."),
     )),
     "Memory": ("Device memory of a colocated worker (`placement.mode: colocate`, the default).", (
-        Metric("memory/<phase>_bytes", "bytes", "Bytes of policy, gradients, optimizer state, reference and engine "
-               "resident on the device (on CPU: in memory) during a phase, after `placement.offload` moved the "
+        Metric("memory/<phase>_bytes", "bytes", "Bytes of policy, gradients, optimizer state, reference, teacher and "
+               "engine resident on the device (on CPU: in memory) during a phase, after `placement.offload` moved the "
                "idle parts off: the peak is the largest phase.", written="`placement.mode: colocate`"),
     )),
     "Evaluation": ("Held-out prompts (`data.eval_size`), written only in the rows of the steps evaluated: step 0, "

@@ -55,6 +55,7 @@ class MicroBatch:
     sampler_logprobs: torch.Tensor  # [b, T]
     old_logprobs: torch.Tensor | None = None  # [b, T], filled before updates when mu > 1 or mini_batches > 1
     ref_logprobs: torch.Tensor | None = None  # [b, T], filled when kl_coef > 0
+    teacher_logprobs: torch.Tensor | None = None  # [b, T], filled when algo.distill names a teacher
     shared: SharedPrompts | None = None  # set when rows repeat a prompt: the prompt-once layout of the same rows
     # Mixture of experts, where the sampler recorded them (`Completion.routes`): the experts each position of
     # input_ids went to [b, L, MoE layers, top_k], and where that is known [b, L] bool (`tandem.moe.batch_routes`)
@@ -230,11 +231,12 @@ def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:
     """One padding token with a zero mask: a forward/backward that adds nothing to any loss or statistic.
 
     Sharded training (FSDP/TP) needs every rank to run the same number of passes (they are collectives); a rank
-    with fewer micro-batches in a mini-batch than its peers runs these. Its old and reference logprobs are set
-    (zeros) so it can enter an update without having been through `prepare`.
+    with fewer micro-batches in a mini-batch than its peers runs these. Its old, reference and teacher logprobs are
+    set (zeros) so it can enter an update without having been through `prepare`.
     """
     # two tokens: a one-token "prompt" and a one-token "completion", the smallest shape the logprob code handles
     ids = torch.full((1, 2), pad_id, dtype=torch.long)
     zeros = torch.zeros((1, 1), dtype=torch.float32)
     return MicroBatch([], ids, torch.ones_like(ids), torch.arange(2).view(1, 2), ids[:, 1:].clone(), zeros.clone(),
-                      zeros.clone(), old_logprobs=zeros.clone(), ref_logprobs=zeros.clone())
+                      zeros.clone(), old_logprobs=zeros.clone(), ref_logprobs=zeros.clone(),
+                      teacher_logprobs=zeros.clone())

@@ -1,8 +1,9 @@
-"""The policy (and frozen reference): its models, the GRPO loss step with AdamW and an LR schedule, offload and
-checkpoints; the logprob functions it calls are `tandem.train.logprobs`."""
+"""The policy (and its frozen reference and distillation teacher): its models, the GRPO loss step with AdamW and an LR
+schedule, offload and checkpoints; the logprob functions it calls are `tandem.train.logprobs`."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -15,6 +16,7 @@ from tandem.algo import (
     KL_ESTIMATORS,
     LossSpec,
     aggregation_totals,
+    distill_advantages,
     kl_reward_penalty,
     token_loss,
 )
@@ -25,6 +27,9 @@ from tandem.train.logprobs import route_stats, routed_logprobs, shares_prompts
 from tandem.train.offload import Offloader
 from tandem.train.stats import StepStats
 
+# What `Policy.to_host` / `to_device` move, each a group of tensors: the policy's weights, gradients and optimizer
+# state, and the frozen models beside it.
+GROUPS = ("params", "grads", "optim", "ref", "teacher")
 # The per-token metrics of `token_loss` as the step's stats name them.
 _REPORTED_AS = {"ratio": "ratio_mean", "tis_capped": "tis_capped_frac", "is_masked": "is_masked_frac"}
 
@@ -63,7 +68,8 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 
 class Policy:
-    """Owns the trainable model, its optimizer and schedule, and the reference model when KL is on."""
+    """Owns the trainable model, its optimizer and schedule, the reference model when KL is on, and the teacher when
+    algo.distill names one."""
 
     def __init__(self, model_path: str, dtype: str, trust_remote_code: bool, algo: AlgoConfig, optim: OptimConfig,
                  total_optimizer_steps: int, temperature: float, max_completion_tokens: int, mesh=None,
@@ -106,10 +112,15 @@ class Policy:
         self.expert_parallel = expert_parallel if self.mesh is not None else 1
         self.tp = parallelize(self.model, self.mesh, self.expert_parallel)  # fused weights' row orders, partial grads
         self.uses_ref = algo.kl_coef > 0
-        self.ref = self._reference(model_path, dtype, trust_remote_code, device)
+        # the reference: none without KL (a model's memory and a forward per step, only when used), nor with LoRA
+        # (the policy with its adapters off is the reference)
+        self.ref = self._frozen(model_path, dtype, trust_remote_code, device) \
+            if self.uses_ref and self.lora is None else None
+        self.teacher = self._frozen(algo.distill.teacher, dtype, trust_remote_code, device) \
+            if algo.distill.teacher else None
         self._watch_routers(algo)
         self.device = next(self.model.parameters()).device
-        for p in self._tensors("params") + self._tensors("ref"):
+        for p in self._tensors("params") + self._tensors("ref") + self._tensors("teacher"):
             residency.ensure_resizable(p)  # offload frees storages in place; a memory-mapped one cannot be
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # fused: one kernel over all parameters instead of ~10 Python-dispatched ops per tensor (CPU and CUDA);
@@ -120,21 +131,18 @@ class Policy:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_optimizer_steps))
         self.loss_spec = LossSpec.from_algo(algo)
         self.offloader = Offloader(self.device)
-        for group in ("params", "grads", "optim", "ref"):
+        for group in GROUPS:
             self.offloader.register(group, lambda g=group: self._tensors(g))
 
-    def _reference(self, model_path: str, dtype: str, trust_remote_code: bool, device: str | None):
-        """The frozen reference model, sharded as the policy; None without KL (a model's memory and a forward per
-        step: only when used) or with LoRA (the policy with its adapters off is the reference)."""
+    def _frozen(self, model_path: str, dtype: str, trust_remote_code: bool, device: str | None):
+        """A frozen model beside the policy (the reference, the teacher), sharded as the policy is."""
         from tandem.train.parallel import parallelize
 
-        if not self.uses_ref or self.lora is not None:
-            return None
-        ref = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
+        model = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
         if device is not None:
-            ref.to(device)
-        parallelize(ref, self.mesh, self.expert_parallel)
-        return ref
+            model.to(device)
+        parallelize(model, self.mesh, self.expert_parallel)
+        return model
 
     def _watch_routers(self, algo: AlgoConfig) -> None:
         """An MoE's router hooks (`tandem.moe.Routing`) on the policy and the reference, and the load-balancing
@@ -143,6 +151,8 @@ class Policy:
         self.ref_routing = self.routing  # LoRA: the reference is the same model, adapters off
         if self.ref is not None:
             self.ref_routing = moe.Routing(self.ref) if moe.routers(self.ref) else None
+        self.teacher_routing = moe.Routing(self.teacher) if self.teacher is not None and moe.routers(self.teacher) \
+            else None
         coef = algo.router_aux_coef
         if coef is None:
             coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
@@ -193,14 +203,16 @@ class Policy:
             return list(self.model.parameters())
         if group == "ref":
             return list(self.ref.parameters()) if self.ref is not None else []
+        if group == "teacher":
+            return list(self.teacher.parameters()) if self.teacher is not None else []
         if group == "grads":
             return [p.grad for p in self.model.parameters() if p.grad is not None]
         if group == "optim":
             return [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        raise ValueError(f"offload: unknown group {group!r}; groups are params, grads, optim, ref")
+        raise ValueError(f"offload: unknown group {group!r}; groups are {', '.join(GROUPS)}")
 
     def to_host(self, *groups: str) -> int:
-        """Move these groups (params, grads, optim, ref) to host memory; their device storage is freed."""
+        """Move these groups (`GROUPS`) to host memory; their device storage is freed."""
         return self.offloader.to_host(*groups)
 
     def to_device(self, *groups: str) -> int:
@@ -208,7 +220,7 @@ class Policy:
         return self.offloader.to_device(*groups)
 
     def residency(self) -> dict[str, int]:
-        """Device bytes per group (params, grads, optim, ref) now."""
+        """Device bytes per group (`GROUPS`) now."""
         return self.offloader.resident_bytes()
 
     def named_weights(self):
@@ -230,14 +242,21 @@ class Policy:
     @torch.no_grad()
     def prepare(self, mini_batches: list[list[MicroBatch]], rows: int) -> "PreparedStep":
         """The step laid out for `update`: old-policy logprobs where the source is a forward before the update or
-        the sampler's, reference logprobs when KL is on, and with `kl_in_reward` each row's penalty coef * sum_t KL
-        ([rows], of every dp rank's rows: each rank fills its own, the rest are summed in)."""
-        stats = StepStats()
+        the sampler's, reference logprobs when KL is on, the teacher's when distilling, and with `kl_in_reward` each
+        row's penalty coef * sum_t KL ([rows], of every dp rank's rows: each rank fills its own, the rest are summed
+        in)."""
+        stats, teacher_s = StepStats(), 0.0
         penalties = torch.zeros(rows) if self.algo.kl_in_reward else None
         local = [mb for mbs in mini_batches for mb in mbs]
         (n,) = self._pad_counts([len(local)])
         for mb in self._padded(local, n):
             mb.to(self.device)
+            if self.teacher is not None:  # first: the first-pass stats compare the policy with it
+                start = time.perf_counter()
+                mb.teacher_logprobs = routed_logprobs(
+                    self.teacher, self.teacher_routing, mb, self.temperature,
+                    share_prompts=self.mesh is None and shares_prompts(self.teacher))[0]
+                teacher_s += time.perf_counter() - start
             if self.old_logprobs is OldLogprobs.SAMPLER:
                 mb.old_logprobs = mb.sampler_logprobs  # first-pass stats come from the update's first forward
             elif self.old_logprobs is OldLogprobs.RECOMPUTED:
@@ -255,7 +274,8 @@ class Policy:
         if penalties is not None:
             self._dp_reduce(penalties)
         return PreparedStep(mini_batches, stats, penalties,
-                            first_pass_done=self.old_logprobs is OldLogprobs.RECOMPUTED)
+                            first_pass_done=self.old_logprobs is OldLogprobs.RECOMPUTED,
+                            times={"time/teacher": teacher_s} if self.teacher is not None else {})
 
     def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         replay = self.algo.router_replay  # the reference on the same routes: its KL compares weights, not routings
@@ -273,6 +293,8 @@ class Policy:
         if record is not None:
             route_stats(mb, record, stats, self.routing.num_experts)
         diff = (logp.detach() - mb.sampler_logprobs).abs() * mb.mask
+        if self.teacher is not None:  # k1's estimate of the reverse KL(policy || teacher), per token (every rank)
+            stats.add("distill/reverse_kl", float(((logp.detach() - mb.teacher_logprobs) * mb.mask).sum()), mb.tokens)
         stats.add("entropy", float(entropy.sum()), mb.tokens)
         stats.add("logprob_diff", float(diff.sum()), mb.tokens)
         stats.max("logprob_diff", float(diff.max()) if diff.numel() else 0.0)
@@ -325,7 +347,11 @@ class Policy:
             share_prompts=self.share_prompts)
         if first_pass:
             self._first_pass_stats(mb, logp, ent.detach(), stats, record)
-        loss_tok, metrics = token_loss(self.loss_spec, logp, mb.advantages(advantages), mb.mask,
+        adv = mb.advantages(advantages)
+        if self.teacher is not None:  # per token: the row's advantage plus the teacher's term at each token
+            old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+            adv = adv.unsqueeze(-1) + distill_advantages(old, mb.teacher_logprobs, mb.mask, a.distill.coef)
+        loss_tok, metrics = token_loss(self.loss_spec, logp, adv, mb.mask,
                                        old_logp=mb.old_logprobs, sampler_logp=mb.sampler_logprobs,
                                        ref_logp=mb.ref_logprobs, entropy=ent)
         loss = AGGREGATIONS[a.loss_agg](loss_tok, mb.mask, total_tokens, total_seqs, self.max_completion_tokens)

@@ -8,22 +8,21 @@ from tandem.config import Config
 from tandem.rollout import Rollout, Samples, Sampling, make_engine
 from tandem.rollout.manifest import differing, digest
 from tandem.sync.local import push_weights
-from tandem.train.policy import Policy
+from tandem.train.policy import GROUPS, Policy
 from tandem.workers.group import WorkerContext
 from tandem.workers.rollout import engine_args, sample_with
 from tandem.workers.stream import StreamGroup, StreamReport, StreamSampler
 from tandem.workers.train import TrainWorker
 
 # What must be on the compute device in each phase (the rest may go to the host):
-# generate: the engine; logprobs: policy params + reference; update: policy params, grads, optimizer state;
+# generate: the engine; logprobs: policy params + reference + teacher; update: policy params, grads, optimizer state;
 # sync: policy params (source) + engine (destination).
 PHASES = {
     "generate": {"engine"},
-    "logprobs": {"params", "ref"},
+    "logprobs": {"params", "ref", "teacher"},
     "update": {"params", "grads", "optim"},
     "sync": {"params", "engine"},
 }
-POLICY_PARTS = ("params", "grads", "optim", "ref")
 
 
 class HybridWorker:
@@ -69,8 +68,8 @@ class HybridWorker:
             if "engine" not in need and self._engine_awake:
                 self.engine.sleep()
                 self._engine_awake = False
-            self.policy.to_host(*(g for g in POLICY_PARTS if g not in need))
-            self.policy.to_device(*(g for g in POLICY_PARTS if g in need))
+            self.policy.to_host(*(g for g in GROUPS if g not in need))
+            self.policy.to_device(*(g for g in GROUPS if g in need))
             if "engine" in need and not self._engine_awake:
                 self.engine.wake()  # contents undefined until the sync below writes them
                 self._engine_awake = True
@@ -189,7 +188,7 @@ class HybridWorker:
         self.trainer.save(folder)
 
     def restore(self, folder: str) -> None:
-        self.policy.to_device(*POLICY_PARTS)
+        self.policy.to_device(*GROUPS)
         self.trainer.restore(folder)
 
     def close(self) -> None:

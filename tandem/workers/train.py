@@ -69,7 +69,7 @@ class TrainWorker:
         KL penalty ([N]) when `algo.kl_in_reward` is on, else None."""
         start = time.perf_counter()
         step = self.policy.prepare(self._lay_out(samples), len(samples))
-        step.times = {"time/trainer_idle": start - self._idle_since, "time/logprobs": time.perf_counter() - start}
+        step.times.update({"time/trainer_idle": start - self._idle_since, "time/logprobs": time.perf_counter() - start})
         self._step = step
         return step.penalties
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import DEMO_DEFAULTS, _demo_model
+from tandem.cli import _demo_model, _demo_teacher
+from tandem.demo import DEMO_DEFAULTS
 from tandem.config import ConfigError, load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
@@ -31,6 +32,19 @@ def test_the_demo_builds_the_model_a_preset_names(monkeypatch):
     with pytest.raises(ConfigError, match="'demo:gpt_oss' names no demo model; the demo builds demo:qwen3_moe, "
                                           "demo:qwen3_5"):
         _demo_model(load_config(None, ["model.path=demo:gpt_oss"], DEMO_DEFAULTS))
+
+
+def test_the_demo_builds_the_teacher_a_preset_names(monkeypatch):
+    """examples/distill.yaml's `demo:grpo` becomes the demo's GRPO-trained model's folder; a teacher given as a
+    folder is left as it is; another demo name is refused, naming the one there is."""
+    import tandem.demo as demo
+
+    monkeypatch.setattr(demo, "grpo_demo_model", lambda: Path("grpo"))
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    assert _demo_teacher(load_config(examples / "distill.yaml", [], DEMO_DEFAULTS)) == ["algo.distill.teacher=grpo"]
+    assert _demo_teacher(load_config(None, ["algo.distill.teacher=/models/t"], DEMO_DEFAULTS)) == []
+    with pytest.raises(ConfigError, match="'demo:qwen3_5' names no demo model; the demo's teacher is 'demo:grpo'"):
+        _demo_teacher(load_config(None, ["algo.distill.teacher=demo:qwen3_5"], DEMO_DEFAULTS))
 
 
 def test_the_warm_start_stops_on_its_samples_not_on_one_greedy_check(monkeypatch):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import DEMO_DEFAULTS, main
+from tandem.cli import main
+from tandem.demo import DEMO_DEFAULTS
 from tandem.config import load_config
 from tandem.run.metric_names import EVERY_RUN, METRICS, PLACEHOLDERS, Metric, entry_of
 from tandem.run.metrics import METRICS_FILE, PLOTTED

@@ -16,6 +16,7 @@ import zoo_models  # noqa: E402
 from tandem.config import AlgoConfig, OldLogprobs, OptimConfig  # noqa: E402
 from tandem.rollout.base import Completion, Samples, Sampling  # noqa: E402
 from tandem.train.batch import make_micro_batches  # noqa: E402
+from tandem.train.policy import GROUPS  # noqa: E402
 
 ROWS = 6
 BUDGET = 30  # tokens per micro-batch: rank 0's five rows need several micro-batches, rank 1's one row needs one
@@ -80,12 +81,11 @@ def _train(policy, rows: list[int] | None, between=None) -> list[float]:
 
 
 def _offload_roundtrip(policy) -> None:
-    groups = ("params", "grads", "optim", "ref")
-    policy.to_host(*groups)
+    policy.to_host(*GROUPS)
     report = policy.residency()
     assert all(v == 0 for v in report.values()), report
     assert all(p.to_local().untyped_storage().nbytes() == 0 for p in policy.model.parameters())
-    policy.to_device(*groups)
+    policy.to_device(*GROUPS)
     assert policy.residency()["params"] > 0 and policy.residency()["optim"] > 0
     # this rank's optimizer shards survive a save/load (as plain tensors) and training goes on unchanged
     buf = io.BytesIO()
@@ -192,12 +192,12 @@ def test_offload_is_exact_and_engine_sleeps(tmp_path):
 
         token_logprobs(policy.model, mb, 1.0)[0].sum().backward()
         grads = [p.grad.clone() for p in policy.params]
-        policy.to_host("params", "grads", "optim", "ref")
+        policy.to_host(*GROUPS)
         report = policy.residency()
-        assert report == {"params": 0, "grads": 0, "optim": 0, "ref": 0}, report
+        assert report == dict.fromkeys(GROUPS, 0), report
         assert all(p.untyped_storage().nbytes() == 0 for p in policy.params)
         assert all(p.grad.untyped_storage().nbytes() == 0 for p in policy.params)
-        policy.to_device("params", "grads", "optim", "ref")
+        policy.to_device(*GROUPS)
         assert all(torch.equal(p.grad, g) for p, g in zip(policy.params, grads))
         policy.optimizer.zero_grad(set_to_none=True)
 

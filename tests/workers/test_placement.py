@@ -213,7 +213,7 @@ def read_metrics(out: Path) -> list[dict]:
 
 def split_demo_config(demo_path: Path, out: Path, steps: int, samplers: int, schedule: str):
     """The demo on 1 trainer and `samplers` Ray samplers under `schedule`, one version of staleness allowed."""
-    from tandem.cli import DEMO_DEFAULTS
+    from tandem.demo import DEMO_DEFAULTS
 
     return load_config(None, [
         f"model.path={demo_path}", f"run.output_dir={out}", f"run.steps={steps}", "run.eval_every=0",

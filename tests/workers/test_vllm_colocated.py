@@ -164,7 +164,7 @@ def test_tp2_engine_over_two_workers_samples_as_one_whole_engine(session, vllm_m
 
 
 def _demo_config(model, out, steps: int, *extra: str):
-    from tandem.cli import DEMO_DEFAULTS
+    from tandem.demo import DEMO_DEFAULTS
 
     return load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", f"run.steps={steps}", "run.eval_every=0",

@@ -30,7 +30,7 @@ LOGPROB_BOUND = 1e-5  # mean |sampler - trainer logprob|, same weights, fp32 (se
 
 def demo_run(model: Path, out: Path, *extra: str) -> tuple[dict, list[dict]]:
     """The demo on split placement for 12 steps (1 trainer), evaluated before and after on 200 held-out prompts."""
-    from tandem.cli import DEMO_DEFAULTS
+    from tandem.demo import DEMO_DEFAULTS
 
     cfg = load_config(None, [
         f"model.path={model}", f"run.output_dir={out}", "run.steps=12", "run.eval_every=0", "run.save_every=0",
