@@ -44,11 +44,14 @@ def _demo(args) -> int:
 
     start = time.perf_counter()
     first = load_config(args.config, args.overrides, DEMO_DEFAULTS)  # refuse bad input before building anything
+    reward_paths = _demo_reward_models(first)
     path = _demo_model(first)
     # the demo's model under the preset's (a path given there is trained instead), or in place of its demo:<name>
     named = first.model.path.startswith("demo:")
     cfg = load_config(args.config, args.overrides + [f"model.path={path}"] * named,
                       DEMO_DEFAULTS + [f"model.path={path}"] * (not named))
+    for i, reward_path in reward_paths.items():
+        cfg.rewards[i].path = str(reward_path)
     summary = train(cfg, resume=_start(args, "replace"))  # the demo is meant to be rerun: it replaces its last run
     summary["wall_seconds_including_bootstrap"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
@@ -69,6 +72,19 @@ def _demo_model(cfg) -> Path:
                               f"{', '.join('demo:' + n for n in DEMO_MODELS)} (or leave model.path empty)")
         return demo_model(DEMO_MODELS[name]())
     return demo_model()
+
+
+def _demo_reward_models(cfg) -> dict[int, Path]:
+    """The demo's reward models that `rewards[i].path: demo:<name>` names (examples/reward_model.yaml), built (or
+    found cached) by index; an unknown name is refused before anything is built."""
+    from tandem.demo import DEMO_REWARD_MODELS, reward_model
+
+    named = {i: r.path.removeprefix("demo:") for i, r in enumerate(cfg.rewards) if r.path.startswith("demo:")}
+    for i, name in named.items():
+        if name not in DEMO_REWARD_MODELS:
+            raise ConfigError(f"rewards[{i}].path: 'demo:{name}' names no demo reward model; the demo builds "
+                              f"{', '.join('demo:' + n for n in DEMO_REWARD_MODELS)}")
+    return {i: reward_model(DEMO_REWARD_MODELS[name]()) for i, name in named.items()}
 
 
 def _optional_config(args) -> None:

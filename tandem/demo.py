@@ -442,3 +442,122 @@ def tool_demo_model(spec: ToolDemoSpec = ToolDemoSpec(), root: Path | None = Non
         f"{100 * f['greedy']['tool_rate']:.1f}%; "
         f"at temperature 1 accuracy {100 * f['temperature_1']['accuracy']:.1f}%, "
         f"tool calls {100 * f['temperature_1']['tool_rate']:.1f}%"))
+
+
+# ---- The reward model demo: a sequence classifier that scores arithmetic answers ----------------------------------
+
+
+@dataclass(frozen=True)
+class RewardModelSpec(DemoShape):
+    """The demo's reward model (`examples/reward_model.yaml`, `rewards: [{name: model, path: demo:reward_model}]`):
+    the demo's tiny Qwen2 shape with a one-output sequence-classification head (Qwen2ForSequenceClassification), its
+    own tokenizer built as the demo's. It reads `question + answer + EOS` (its tokenizer has no chat template) and is
+    trained with the pairwise Bradley-Terry loss, -log sigmoid(r(correct) - r(wrong)), on train questions, each
+    correct answer against one wrong answer of the kinds a policy writes (`wrong_answer`): the carry-less sum, the
+    sum with one digit changed, a digit more or less, a random number. It stops once it ranks held-out questions'
+    (correct, wrong) pairs right `target_accuracy` of the time (every kind at once), checked every `eval_every`
+    steps. Built, it reached 100% on the held-out pairs: `tandem_demo.json` in its cache folder records the figure
+    and the steps."""
+
+    lr: float = 1e-3
+    batch: int = 64
+    target_accuracy: float = 0.98
+    eval_every: int = 100
+    max_steps: int = 4000
+    version: int = 1  # bump when the builder's code changes what it produces
+
+
+def wrong_answer(a: int, b: int, rng: random.Random) -> str:
+    """A wrong answer to a+b, of one of the kinds a policy writes: carry-less, one digit changed, a digit too many
+    or too few, or any other 1-3 digit number."""
+    right = arithmetic.answer(a, b)
+    while True:
+        kind = rng.random()
+        if kind < 0.2:
+            guess = arithmetic.carryless(a, b)
+        elif kind < 0.7:  # the hardest to tell (every digit must be checked): half the pairs
+            i = rng.randrange(len(right))
+            guess = right[:i] + str(rng.randrange(10)) + right[i + 1:]
+        elif kind < 0.85:
+            guess = right + str(rng.randrange(10)) if rng.random() < 0.5 else right[:-1]
+        else:
+            guess = str(rng.randrange(1000))[::-1] if rng.random() < 0.5 else str(rng.randrange(10, 200))
+        if guess and guess != right:
+            return guess
+
+
+def reward_scores(model, tokenizer, texts: list[str]) -> torch.Tensor:
+    """The classifier's one output for each text (`question + answer`), EOS appended, padded on the right."""
+    seqs = [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+
+
+def pairwise_accuracy(model, tokenizer, rows: list[dict], seed: int) -> float:
+    """The share of held-out (correct, wrong) pairs, one per row, that the model scores correct above wrong."""
+    rng = random.Random(seed)
+    pairs = [tuple(map(int, r["question"][:-1].split("+"))) for r in rows]
+    with torch.no_grad():
+        right = reward_scores(model, tokenizer, [arithmetic.question(a, b) + arithmetic.answer(a, b) for a, b in pairs])
+        wrong = reward_scores(model, tokenizer, [arithmetic.question(a, b) + wrong_answer(a, b, rng) for a, b in pairs])
+    return float((right > wrong).float().mean())
+
+
+def train_reward_model(model, tokenizer, spec: RewardModelSpec) -> tuple[float, int]:
+    """Pairwise steps on train questions until held-out pairs rank right `spec.target_accuracy` of the time;
+    returns (held-out pairwise accuracy, steps)."""
+    pairs = [tuple(map(int, r["question"][:-1].split("+"))) for r in arithmetic.rows("train")]
+    held = arithmetic.rows("test")
+    rng = random.Random(spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    acc, step = 0.0, 0
+    while step < spec.max_steps:
+        model.train()
+        batch = rng.sample(pairs, spec.batch)
+        right = reward_scores(model, tokenizer, [arithmetic.question(a, b) + arithmetic.answer(a, b) for a, b in batch])
+        wrong = reward_scores(model, tokenizer, [arithmetic.question(a, b) + wrong_answer(a, b, rng) for a, b in batch])
+        loss = -torch.nn.functional.logsigmoid(right - wrong).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % spec.eval_every == 0:
+            model.eval()
+            acc = pairwise_accuracy(model, tokenizer, held, spec.seed + 1)
+            log.info("reward model step %d: loss %.3f, held-out pairwise accuracy %.1f%%", step, loss.item(), 100 * acc)
+            if acc >= spec.target_accuracy:
+                break
+    model.eval()
+    return acc, step
+
+
+def build_reward_model(spec: RewardModelSpec, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        intermediate_size=spec.intermediate_size, max_position_embeddings=128, num_labels=1,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen2ForSequenceClassification(cfg)
+
+
+# `rewards: [{name: model, path: demo:<name>}]` in a preset asks `tandem demo` for one of its reward models
+DEMO_REWARD_MODELS = {"reward_model": RewardModelSpec}
+
+
+def reward_model(spec: RewardModelSpec = RewardModelSpec(), root: Path | None = None) -> Path:
+    """Path of the demo's reward model folder (see RewardModelSpec), built on first use and cached."""
+    def build():
+        tokenizer = build_tokenizer(arithmetic.corpus(), spec.vocab_size)
+        model = build_reward_model(spec, tokenizer)
+        acc, steps = train_reward_model(model, tokenizer, spec)
+        return model, tokenizer, {"pairwise_accuracy": acc, "steps": steps}
+
+    return cached_model("reward-model", spec, build, root, lambda f: (
+        f"held-out pairwise accuracy {100 * f['pairwise_accuracy']:.1f}% in {f['steps']} steps"))
