@@ -461,53 +461,89 @@ class RewardModelSpec(DemoShape):
 
     lr: float = 1e-3
     batch: int = 64
-    target_accuracy: float = 0.98
+    target_accuracy: float = 0.97
     eval_every: int = 100
-    max_steps: int = 4000
+    max_steps: int = 3000
     version: int = 1  # bump when the builder's code changes what it produces
 
 
-def wrong_answer(a: int, b: int, rng: random.Random) -> str:
-    """A wrong answer to a+b, of one of the kinds a policy writes: carry-less, one digit changed, a digit too many
-    or too few, or any other 1-3 digit number."""
+# The wrong answers the reward model learns to rank below the right one, and how often each kind is drawn: as a policy
+# warm-started on the carry-less teacher errs, mostly by not carrying, then by a digit, a length or anything.
+WRONG_KINDS = {"carryless": 0.5, "one_digit": 0.2, "length": 0.15, "other": 0.15}
+
+
+def wrong_answer(a: int, b: int, rng: random.Random, kind: str | None = None) -> str | None:
+    """A wrong answer to a+b of `kind` (drawn by WRONG_KINDS' weights when None); None where that kind has none
+    (the carry-less answer of a sum without a carry is right)."""
     right = arithmetic.answer(a, b)
-    while True:
-        kind = rng.random()
-        if kind < 0.2:
+    for _ in range(100):
+        k = kind or rng.choices(list(WRONG_KINDS), weights=list(WRONG_KINDS.values()))[0]
+        if k == "carryless":
             guess = arithmetic.carryless(a, b)
-        elif kind < 0.7:  # the hardest to tell (every digit must be checked): half the pairs
+        elif k == "one_digit":
             i = rng.randrange(len(right))
             guess = right[:i] + str(rng.randrange(10)) + right[i + 1:]
-        elif kind < 0.85:
+        elif k == "length":
             guess = right + str(rng.randrange(10)) if rng.random() < 0.5 else right[:-1]
         else:
             guess = str(rng.randrange(1000))[::-1] if rng.random() < 0.5 else str(rng.randrange(10, 200))
         if guess and guess != right:
             return guess
+    return None
 
 
-def reward_scores(model, tokenizer, texts: list[str]) -> torch.Tensor:
-    """The classifier's one output for each text (`question + answer`), EOS appended, padded on the right."""
+def encode_scored(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of texts (`question + answer`) as the reward model reads them: EOS appended (its
+    tokenizer has no chat template: tandem.train.reward_model), padded on the right."""
     seqs = [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in texts]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    return ids, mask
+
+
+def reward_scores(model, tokenizer, texts: list[str]) -> torch.Tensor:
+    """The classifier's one output for each text."""
+    ids, mask = encode_scored(tokenizer, texts)
     return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
 
 
-def pairwise_accuracy(model, tokenizer, rows: list[dict], seed: int) -> float:
-    """The share of held-out (correct, wrong) pairs, one per row, that the model scores correct above wrong."""
+def pairwise_accuracy(model, tokenizer, rows: list[dict], seed: int, kind: str | None = None) -> float:
+    """The share of held-out (correct, wrong) pairs, one per row (where `kind` has a wrong answer), that the model
+    scores correct above wrong."""
     rng = random.Random(seed)
     pairs = [tuple(map(int, r["question"][:-1].split("+"))) for r in rows]
+    wrong = {(a, b): w for a, b in pairs if (w := wrong_answer(a, b, rng, kind)) is not None}
     with torch.no_grad():
-        right = reward_scores(model, tokenizer, [arithmetic.question(a, b) + arithmetic.answer(a, b) for a, b in pairs])
-        wrong = reward_scores(model, tokenizer, [arithmetic.question(a, b) + wrong_answer(a, b, rng) for a, b in pairs])
-    return float((right > wrong).float().mean())
+        right_scores = reward_scores(model, tokenizer, [arithmetic.question(a, b) + arithmetic.answer(a, b)
+                                                        for a, b in wrong])
+        wrong_scores = reward_scores(model, tokenizer, [arithmetic.question(a, b) + w for (a, b), w in wrong.items()])
+    return float((right_scores > wrong_scores).float().mean())
+
+
+def reward_model_loss(model, tokenizer, batch: list[tuple[int, int]], rng: random.Random) -> torch.Tensor:
+    """The pairwise loss -log sigmoid(r(correct) - r(wrong)) of each question's correct and wrong answer, plus the
+    next-token loss of the correct answers' digits and EOS read from the same forward through the tied embedding:
+    one score per text is a sparse signal, and the digit-by-digit sum is what the score must check."""
+    right = [arithmetic.question(a, b) + arithmetic.answer(a, b) for a, b in batch]
+    wrong = [arithmetic.question(a, b) + wrong_answer(a, b, rng) for a, b in batch]
+    ids, mask = encode_scored(tokenizer, right + wrong)
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    last = mask.sum(1) - 1  # EOS, where the classifier reads (the last token that is not padding)
+    scores = model.score(hidden[torch.arange(len(ids)), last])[:, 0].float()
+    n = len(batch)
+    pairwise = -torch.nn.functional.logsigmoid(scores[:n] - scores[n:]).mean()
+    logits = hidden[:n, :-1] @ model.model.embed_tokens.weight.T
+    q = len(tokenizer.encode(right[0][:right[0].index("=") + 1]))  # every question is as long: a+b= of two digits
+    answer = mask[:n, 1:].clone()
+    answer[:, :q - 1] = 0  # predict the answer's tokens and EOS, not the question's
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), ids[:n, 1:], reduction="none")
+    return pairwise + (nll * answer).sum() / answer.sum()
 
 
 def train_reward_model(model, tokenizer, spec: RewardModelSpec) -> tuple[float, int]:
-    """Pairwise steps on train questions until held-out pairs rank right `spec.target_accuracy` of the time;
-    returns (held-out pairwise accuracy, steps)."""
+    """Steps on train questions (`reward_model_loss`) until held-out pairs rank right `spec.target_accuracy` of the
+    time; returns (held-out pairwise accuracy, steps)."""
     pairs = [tuple(map(int, r["question"][:-1].split("+"))) for r in arithmetic.rows("train")]
     held = arithmetic.rows("test")
     rng = random.Random(spec.seed)
@@ -515,10 +551,7 @@ def train_reward_model(model, tokenizer, spec: RewardModelSpec) -> tuple[float, 
     acc, step = 0.0, 0
     while step < spec.max_steps:
         model.train()
-        batch = rng.sample(pairs, spec.batch)
-        right = reward_scores(model, tokenizer, [arithmetic.question(a, b) + arithmetic.answer(a, b) for a, b in batch])
-        wrong = reward_scores(model, tokenizer, [arithmetic.question(a, b) + wrong_answer(a, b, rng) for a, b in batch])
-        loss = -torch.nn.functional.logsigmoid(right - wrong).mean()
+        loss = reward_model_loss(model, tokenizer, rng.sample(pairs, spec.batch), rng)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -541,7 +574,7 @@ def build_reward_model(spec: RewardModelSpec, tokenizer):
         num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
         intermediate_size=spec.intermediate_size, max_position_embeddings=128, num_labels=1,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
     )
     torch.manual_seed(spec.seed)
     return Qwen2ForSequenceClassification(cfg)
@@ -557,7 +590,10 @@ def reward_model(spec: RewardModelSpec = RewardModelSpec(), root: Path | None = 
         tokenizer = build_tokenizer(arithmetic.corpus(), spec.vocab_size)
         model = build_reward_model(spec, tokenizer)
         acc, steps = train_reward_model(model, tokenizer, spec)
-        return model, tokenizer, {"pairwise_accuracy": acc, "steps": steps}
+        by_kind = {k: pairwise_accuracy(model, tokenizer, arithmetic.rows("test"), spec.seed + 2, k)
+                   for k in WRONG_KINDS}
+        return model, tokenizer, {"pairwise_accuracy": acc, "pairwise_accuracy_by_kind": by_kind, "steps": steps}
 
     return cached_model("reward-model", spec, build, root, lambda f: (
-        f"held-out pairwise accuracy {100 * f['pairwise_accuracy']:.1f}% in {f['steps']} steps"))
+        f"held-out pairwise accuracy {100 * f['pairwise_accuracy']:.1f}% in {f['steps']} steps; by kind of wrong "
+        "answer: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in f["pairwise_accuracy_by_kind"].items())))
