@@ -37,12 +37,15 @@ def _demo(args) -> int:
 
     start = time.perf_counter()
     first = load_config(args.config, args.overrides, DEMO_DEFAULTS)  # refuse bad input before building anything
+    reward_paths = _demo_reward_models(first)
     path = _demo_model(first)
     # the demo's model under the preset's (a path given there is trained instead), or in place of its demo:<name>
     named = first.model.path.startswith("demo:")
     teacher = _demo_teacher(first)
     cfg = load_config(args.config, args.overrides + [f"model.path={path}"] * named + teacher,
                       DEMO_DEFAULTS + [f"model.path={path}"] * (not named))
+    for i, reward_path in reward_paths.items():
+        cfg.rewards[i].path = str(reward_path)
     summary = train(cfg, resume=_start(args, "replace"))  # the demo is meant to be rerun: it replaces its last run
     summary["wall_seconds_including_bootstrap"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
@@ -77,6 +80,19 @@ def _demo_teacher(cfg) -> list[str]:
         raise ConfigError(f"algo.distill.teacher: {teacher!r} names no demo model; the demo's teacher is "
                           f"{GRPO_TEACHER!r} (its own GRPO-trained model), or give a model folder")
     return [f"algo.distill.teacher={grpo_demo_model()}"]
+
+
+def _demo_reward_models(cfg) -> dict[int, Path]:
+    """The demo's reward models that `rewards[i].path: demo:<name>` names (examples/reward_model.yaml), built (or
+    found cached) by index; an unknown name is refused before anything is built."""
+    from tandem.demo import DEMO_REWARD_MODELS, reward_model
+
+    named = {i: r.path.removeprefix("demo:") for i, r in enumerate(cfg.rewards) if r.path.startswith("demo:")}
+    for i, name in named.items():
+        if name not in DEMO_REWARD_MODELS:
+            raise ConfigError(f"rewards[{i}].path: 'demo:{name}' names no demo reward model; the demo builds "
+                              f"{', '.join('demo:' + n for n in DEMO_REWARD_MODELS)}")
+    return {i: reward_model(DEMO_REWARD_MODELS[name]()) for i, name in named.items()}
 
 
 def _optional_config(args) -> None:

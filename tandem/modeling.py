@@ -1,4 +1,5 @@
-"""The one loading path for local Hugging Face checkpoints (tokenizer and causal LM): demo, tests and real models."""
+"""The one loading path for local Hugging Face checkpoints (tokenizer, causal LM, sequence classifier): demo, tests and
+real models."""
 from __future__ import annotations
 
 import json
@@ -162,6 +163,17 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: 
         attn_implementation=_attention(path, trust_remote_code),
     )
     return model
+
+
+def load_sequence_classifier(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
+    """A sequence-classification checkpoint (a reward model: tandem.train.reward_model checks it has one output)."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    check_model_files(Path(path))
+    hf_logging.disable_progress_bar()
+    return AutoModelForSequenceClassification.from_pretrained(str(path), dtype=DTYPES[dtype],
+                                                              trust_remote_code=trust_remote_code)
 
 
 def _attention(path: str | Path, trust_remote_code: bool) -> str:

@@ -23,10 +23,10 @@ from tandem.run.metrics import METRICS_FILE, MetricsLog
 from tandem.run.signals import StopSignals, Stopped
 from tandem.run.trackers import RunInfo, Trackers
 from tandem.run.source import RolloutSource, sampling_for
-from tandem.train import lora
+from tandem.train import lora, reward_model
 from tandem.util.rng import rng_state, set_rng_state
 from tandem.workers import placement
-from tandem.workers.group import Pending
+from tandem.workers.group import Pending, local_device
 from tandem.workers.placement import Placement, Synced
 
 log = logging.getLogger("tandem.trainer")
@@ -307,7 +307,8 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
                 _refuse_nothing_to_train(cfg, last)
         pool = cfg.reward_pool
         scorer = RewardScorer(cfg.rewards, timeout_s=pool.timeout_s, workers=pool.workers,
-                              step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate)
+                              step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate,
+                              builders={reward_model.NAME: _reward_model_builder(cfg)})
         undo.callback(scorer.close)  # its worker processes started early, to warm up while the models load
         workers = placement.build(cfg)
         undo.callback(workers.shutdown)
@@ -320,10 +321,18 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
     return run
 
 
+def _reward_model_builder(cfg: Config):
+    """`name: model` rewards run in this process, on its device, offloaded between calls as colocated workers
+    offload (placement.offload), in the policy's dtype."""
+    device = local_device()
+    offload = cfg.placement.offload is True or (cfg.placement.offload == "auto" and device != "cpu")
+    return reward_model.builder(device, cfg.model.dtype, offload, cfg.model.trust_remote_code)
+
+
 def _check_before_loading(cfg: Config) -> None:
     """What can be refused before any model loads: the model folder (and a distillation teacher's, with its
     tokenizer), its architecture in this engine and placement, the devices that placement needs, LoRA's targets (on
-    no weights), the environment's arguments."""
+    no weights), the environment's arguments, the reward models' checkpoints."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     check_model_folder(cfg.model.path)
@@ -334,6 +343,7 @@ def _check_before_loading(cfg: Config) -> None:
     check_supported(cfg)
     placement.check_devices(cfg)
     lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)
+    reward_model.check(cfg.rewards)
     if cfg.env.name:
         from tandem.rollout.tools import make_environment
 

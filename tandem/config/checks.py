@@ -70,6 +70,29 @@ def _length(cfg: Config) -> None:
     _data(cfg)
     if not cfg.rewards:
         raise ConfigError("rewards: empty; name at least one reward function")
+    _rewards(cfg)
+
+
+MODEL_REWARD_FIELDS = ("path", "normalize", "batch_tokens")  # RewardSpec's fields that only `name: model` reads
+
+
+def _rewards(cfg: Config) -> None:
+    """A reward model needs its path; the fields only a reward model reads are refused elsewhere. (What the path
+    holds is checked where models are loaded, still before any loads: tandem.train.reward_model.check.)"""
+    for i, spec in enumerate(cfg.rewards):
+        if spec.name == "model" and not spec.path:
+            raise ConfigError(f"rewards[{i}].path: empty, but name: model scores with a reward model; set it to a "
+                              "local sequence-classification checkpoint with one output (a folder with config.json, "
+                              "*.safetensors and its tokenizer)")
+        fields = type(spec).model_fields
+        given = [f for f in MODEL_REWARD_FIELDS if getattr(spec, f) != fields[f].default]
+        if spec.name != "model" and given:
+            raise ConfigError(f"rewards[{i}]: {', '.join(f'{f}: {getattr(spec, f)!r}' for f in given)} is read only "
+                              f"by name: model (a reward model), and this reward is {spec.name!r}; remove "
+                              f"{'it' if len(given) == 1 else 'them'}, or set name: model")
+        if spec.name == "model" and spec.kwargs:
+            raise ConfigError(f"rewards[{i}].kwargs: {sorted(spec.kwargs)}: name: model takes no kwargs; its "
+                              "settings are the fields path, normalize and batch_tokens")
 
 
 def _data(cfg: Config) -> None:

@@ -2,7 +2,7 @@
 scoring with time limits, and how held-out prompts are evaluated."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -11,10 +11,25 @@ from tandem.config.base import Section
 
 class RewardSpec(Section):
     name: str = Field(
-        description="A registered reward (e.g. `arithmetic_exact`, `gsm8k`) or a plugin `module:function`.",
+        description="A registered reward (e.g. `arithmetic_exact`, `gsm8k`), a plugin `module:function`, or `model` "
+        "(a reward model: `path`).",
     )
     weight: float = Field(1.0, description="Weight in the summed reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
+    path: str = Field(
+        "", description="`name: model` only: a local Hugging Face sequence-classification checkpoint with one output "
+        "(a reward model, e.g. Skywork-Reward) that scores prompt + completion through its own tokenizer and chat "
+        "template. It runs in the trainer's process, on the device only while it scores (`placement.offload`).",
+    )
+    normalize: Literal["none", "sigmoid", "zscore"] = Field(
+        "none", description="`name: model` only: what the model's output becomes before the weighted sum: `none` "
+        "(the raw logit), `sigmoid` (in (0, 1)), `zscore` (minus the mean, over the std, of the scores of one "
+        "scoring call: a step's batch; a group's under `placement.schedule: stream`).",
+    )
+    batch_tokens: int = Field(
+        8192, ge=1, description="`name: model` only: the most tokens (rows x the longest, padding included) in one "
+        "forward of the reward model; a longer text goes alone.",
+    )
 
 
 class RewardPoolConfig(Section):

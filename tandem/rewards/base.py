@@ -64,6 +64,7 @@ class RewardResult:
     error_kinds: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> raised/bad_value/timeout/...
     last_error: dict[str, str] = field(default_factory=dict)  # name -> "kind: message" of its last failed sample
     budget_used: float = 0.0  # the call's time as a fraction of the step budget (1.0: it ran out)
+    metrics: dict[str, float] = field(default_factory=dict)  # what built rewards report of the call (a model's time)
 
     def error_counts(self, prefix: str) -> dict[str, int]:
         """`<prefix>/<name>`: the samples each function failed on (scored 0); `<prefix>/<name>/<kind>`: by kind.
@@ -134,7 +135,8 @@ def call_one(fn: Callable[..., Any], args: tuple, kwargs: Mapping) -> Outcome:
 
 def call_batched(fn: Callable[..., Any], completions: list, prompts: list, rows: list,
                  kwargs: Mapping) -> list[Outcome]:
-    """One batched call; when it raises or returns the wrong number of scores, its whole batch failed."""
+    """One batched call; when it raises or returns the wrong number of scores, its whole batch failed. An exception
+    in place of a score is that sample's failure alone (`raised`)."""
     n = len(completions)
     try:
         values = list(fn(completions, prompts, rows, **kwargs))
@@ -144,6 +146,9 @@ def call_batched(fn: Callable[..., Any], completions: list, prompts: list, rows:
         return [(None, "raised", repr(exc)[:500])] * n
     out: list[Outcome] = []
     for value in values:
+        if isinstance(value, BaseException):
+            out.append((None, "raised", repr(value)[:500]))
+            continue
         try:
             out.append((_finite(value), "", ""))
         except REWARD_FAILURES as exc:
@@ -223,10 +228,16 @@ class RewardScorer:
     for that sample, is counted in `errors[name]` and `error_kinds[name][kind]`, and is logged once per function
     and kind with the sample, so training goes on and nothing fails silently. `error_limit` is the trainer's check
     that a reward does not fail on most samples (`max_error_rate`).
+
+    `builders` maps a name to what builds that reward from its config spec, for a reward holding what this layer
+    cannot know (a reward model: `tandem.train.reward_model`, given by the trainer). What it builds is a batched
+    inline reward; it may report `metrics(key) -> dict` after each call (`RewardResult.metrics`) and is closed
+    with the scorer.
     """
 
     def __init__(self, specs: Sequence[Any], *, timeout_s: float = 10.0, workers: int | None = None,
-                 step_budget_s: float = math.inf, max_error_rate: float = 1.0):
+                 step_budget_s: float = math.inf, max_error_rate: float = 1.0,
+                 builders: Mapping[str, Callable[[Any], Callable[..., Any]]] | None = None):
         self.timeout_s = float(timeout_s)
         self.step_budget_s = float(step_budget_s)
         self.error_limit = ErrorRateLimit(max_error_rate)
@@ -234,10 +245,15 @@ class RewardScorer:
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # one score() at a time: the pool drives its workers from one caller
         entries: list[_Entry] = []
+        self._built: list[Any] = []  # closed with the scorer
         for spec in specs:  # (name, weight, kwargs) tuples or config RewardSpec objects
             name, weight, kwargs = (spec.name, spec.weight, spec.kwargs) if hasattr(spec, "name") else spec
-            rf = resolve_reward(name)
-            _preflight(name, rf, dict(kwargs or {}))
+            if name in (builders or {}):
+                self._built.append(builders[name](spec))
+                rf = RewardFn(name, self._built[-1], batched=True, inline=True)
+            else:
+                rf = resolve_reward(name)
+                _preflight(name, rf, dict(kwargs or {}))
             key, k = name, 2
             while any(e.key == key for e in entries):
                 key, k = f"{name}_{k}", k + 1
@@ -327,14 +343,23 @@ class RewardScorer:
             per_fn[e.key] = scores
             errors[e.key] = sum(counts.values())
             kinds[e.key] = counts
+        metrics: dict[str, float] = {}
+        for e in self.entries:
+            report = getattr(e.rf.fn, "metrics", None)
+            if callable(report) and e.key in outcomes:
+                metrics.update(report(e.key))
         over = {name: c["budget"] for name, c in kinds.items() if c.get("budget")}
         if over:  # every time, not once: each step it happens costs the whole budget
             log.warning("the reward budget ran out after %.1f s (reward_pool.step_budget_s=%g); not scored, so 0: %s",
                         seconds, self.step_budget_s, ", ".join(f"{k} on {v} samples" for k, v in over.items()))
-        return RewardResult(total, per_fn, errors, kinds, last, seconds / self.step_budget_s)
+        return RewardResult(total, per_fn, errors, kinds, last, seconds / self.step_budget_s, metrics)
 
     def close(self) -> None:
-        """Stop the worker pool (idempotent)."""
+        """Stop the worker pool and close what `builders` built (idempotent)."""
+        while self._built:
+            built = self._built.pop()
+            if callable(getattr(built, "close", None)):
+                built.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None

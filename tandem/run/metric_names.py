@@ -81,6 +81,33 @@ GROUPS: dict[str, tuple[str, tuple[Metric, ...]]] = {
                "not scored got 0 (kind `budget`). Near 1: raise the budget or `reward_pool.workers`, or speed up "
                "the reward."),
     )),
+    "Reward model": ("A reward model (`rewards: [{name: model, path: ...}]`, `tandem.train.reward_model`), each under "
+                     "its reward's name, for the step's last scoring (a sampling round); its scores' mean and std "
+                     "after `normalize` are `reward/<reward>` and `reward/<reward>/std`.", (
+        Metric("time/reward_model/<reward>", "seconds", "Time the reward model took to score the step's samples "
+               "(every round): its weights to the device and back, tokenizing, the forwards. Part of `time/reward`.",
+               written="a `name: model` reward", demos=False),
+        Metric("reward_model/<reward>/batches", "count", "Forwards of the last scoring: the samples packed by "
+               "length into at most `batch_tokens` tokens each.", written="a `name: model` reward", demos=False),
+        Metric("reward_model/<reward>/batch_rows", "rows", "Mean texts per forward.", written="a `name: model` reward",
+               demos=False),
+        Metric("reward_model/<reward>/batch_tokens", "tokens", "The largest forward's tokens, padding included "
+               "(rows x the longest): at most `batch_tokens` unless one text is longer.",
+               written="a `name: model` reward", demos=False),
+        Metric("reward_model/<reward>/raw_mean", "score", "Mean of the model's raw outputs (its logits, before "
+               "`normalize`) over the samples it scored; a drift up while accuracy does not rise is the policy "
+               "exploiting the reward model.", written="a `name: model` reward", demos=False),
+        Metric("reward_model/<reward>/raw_std", "score", "Their standard deviation.",
+               written="a `name: model` reward", demos=False),
+        Metric("memory/reward_model/<reward>/resident_bytes", "bytes", "The reward model's weights on the device "
+               "while it scores.", written="a `name: model` reward", demos=False),
+        Metric("memory/reward_model/<reward>/idle_bytes", "bytes", "Its weights left on the device between scorings: "
+               "0 when it is offloaded (`placement.offload`: `auto` on a GPU, or `true`).",
+               written="a `name: model` reward", demos=False),
+        Metric("memory/reward_model/<reward>/peak_bytes", "bytes", "The process's peak allocated device memory "
+               "while the reward model scored (policy and whatever else is resident, plus its weights and "
+               "activations).", written="a `name: model` reward on a GPU", demos=False),
+    )),
     "Advantage": ("What the policy gradient weighs each sample by (`algo.advantage`).", (
         Metric("advantage/mean", "advantage", "Mean advantage over the step's samples (reward units, or group "
                "standard deviations for `grpo`). About 0 with a group baseline; far from 0 under `reinforce_pp` "

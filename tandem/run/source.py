@@ -156,6 +156,8 @@ class RolloutSource:
         last_error.update(res.last_error)
         errors.update(res.errors)
         stats["time/reward_budget_used"] = max(stats["time/reward_budget_used"], res.budget_used)
+        for name, value in res.metrics.items():  # a reward model's time, batches and memory: over the step's rounds
+            stats[name] = stats[name] + value if name.startswith("time/") else value
         for name, n in res.error_counts("reward/errors").items():
             stats[name] += n
         totals, scores = list(res.total), dict(res.per_fn)
