@@ -83,16 +83,21 @@ def _demo_teacher(cfg) -> list[str]:
 
 
 def _demo_reward_models(cfg) -> dict[int, Path]:
-    """The demo's reward models that `rewards[i].path: demo:<name>` names (examples/reward_model.yaml), built (or
-    found cached) by index; an unknown name is refused before anything is built."""
-    from tandem.demo import DEMO_REWARD_MODELS, reward_model
+    """The demo's models that `rewards[i].path: demo:<name>` names, built (or found cached) by index: its reward
+    models (examples/reward_model.yaml) and, for a judge, its GRPO-trained model (examples/judge.yaml); an unknown
+    name is refused before anything is built."""
+    from tandem.demo import DEMO_REWARD_MODELS, GRPO_TEACHER, grpo_demo_model, reward_model
 
     named = {i: r.path.removeprefix("demo:") for i, r in enumerate(cfg.rewards) if r.path.startswith("demo:")}
     for i, name in named.items():
-        if name not in DEMO_REWARD_MODELS:
+        if cfg.rewards[i].name == "judge" and f"demo:{name}" != GRPO_TEACHER:
+            raise ConfigError(f"rewards[{i}].path: 'demo:{name}' names no demo judge; the demo's judge is "
+                              f"{GRPO_TEACHER!r} (its own GRPO-trained model), or give a model folder")
+        if cfg.rewards[i].name != "judge" and name not in DEMO_REWARD_MODELS:
             raise ConfigError(f"rewards[{i}].path: 'demo:{name}' names no demo reward model; the demo builds "
                               f"{', '.join('demo:' + n for n in DEMO_REWARD_MODELS)}")
-    return {i: reward_model(DEMO_REWARD_MODELS[name]()) for i, name in named.items()}
+    return {i: grpo_demo_model() if cfg.rewards[i].name == "judge" else reward_model(DEMO_REWARD_MODELS[name]())
+            for i, name in named.items()}
 
 
 def _optional_config(args) -> None:

@@ -15,6 +15,7 @@ from tandem.config import Config, ConfigError
 from tandem.data.sources import Prompt, PromptStream, load_prompts
 from tandem.modeling import check_model_folder, check_same_tokenizer, load_tokenizer
 from tandem.rewards import RewardScorer
+from tandem.rollout import judge
 from tandem.run import checkpoint
 from tandem.run.card import model_card
 from tandem.run.directory import RunLock, Start, claim
@@ -308,7 +309,7 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
         pool = cfg.reward_pool
         scorer = RewardScorer(cfg.rewards, timeout_s=pool.timeout_s, workers=pool.workers,
                               step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate,
-                              builders={reward_model.NAME: _reward_model_builder(cfg)})
+                              builders={reward_model.NAME: _reward_model_builder(cfg), judge.NAME: _judge_builder(cfg)})
         undo.callback(scorer.close)  # its worker processes started early, to warm up while the models load
         workers = placement.build(cfg)
         undo.callback(workers.shutdown)
@@ -329,10 +330,21 @@ def _reward_model_builder(cfg: Config):
     return reward_model.builder(device, cfg.model.dtype, offload, cfg.model.trust_remote_code)
 
 
+def _judge_builder(cfg: Config):
+    """`name: judge` rewards run on an engine of their own in this process (or a vLLM server it starts), in the
+    policy's dtype."""
+    def build(spec):
+        return judge.make_judge(spec, dtype=cfg.model.dtype, seed=cfg.run.seed, device=local_device(),
+                                kv_cache_bytes=cfg.rollout.vllm.kv_cache_mb << 20,
+                                trust_remote_code=cfg.model.trust_remote_code)
+
+    return build
+
+
 def _check_before_loading(cfg: Config) -> None:
     """What can be refused before any model loads: the model folder (and a distillation teacher's, with its
     tokenizer), its architecture in this engine and placement, the devices that placement needs, LoRA's targets (on
-    no weights), the environment's arguments, the reward models' checkpoints."""
+    no weights), the environment's arguments, the reward models' checkpoints and the judges' folders."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     check_model_folder(cfg.model.path)
@@ -344,6 +356,7 @@ def _check_before_loading(cfg: Config) -> None:
     placement.check_devices(cfg)
     lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)
     reward_model.check(cfg.rewards)
+    judge.check(cfg.rewards)
     if cfg.env.name:
         from tandem.rollout.tools import make_environment
 

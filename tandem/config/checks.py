@@ -73,26 +73,32 @@ def _length(cfg: Config) -> None:
     _rewards(cfg)
 
 
-MODEL_REWARD_FIELDS = ("path", "normalize", "batch_tokens")  # RewardSpec's fields that only `name: model` reads
+# RewardSpec's fields that only some rewards read, by the reward that reads them
+READ_BY = {"path": ("model", "judge"), "normalize": ("model",), "batch_tokens": ("model",),
+           "template": ("judge",), "verdict": ("judge",), "engine": ("judge",), "max_new_tokens": ("judge",)}
 
 
 def _rewards(cfg: Config) -> None:
-    """A reward model needs its path; the fields only a reward model reads are refused elsewhere. (What the path
-    holds is checked where models are loaded, still before any loads: tandem.train.reward_model.check.)"""
+    """A reward model and a judge need their path; a field only another reward reads is refused. (What the path
+    holds is checked where models are loaded, still before any loads: tandem.train.reward_model.check,
+    tandem.rollout.judge.check.)"""
     for i, spec in enumerate(cfg.rewards):
-        if spec.name == "model" and not spec.path:
-            raise ConfigError(f"rewards[{i}].path: empty, but name: model scores with a reward model; set it to a "
-                              "local sequence-classification checkpoint with one output (a folder with config.json, "
-                              "*.safetensors and its tokenizer)")
+        if spec.name in ("model", "judge") and not spec.path:
+            what = ("a reward model; set it to a local sequence-classification checkpoint with one output (a folder "
+                    "with config.json, *.safetensors and its tokenizer)") if spec.name == "model" else \
+                "a generative judge; set it to a local causal-LM folder"
+            raise ConfigError(f"rewards[{i}].path: empty, but name: {spec.name} scores with {what}")
         fields = type(spec).model_fields
-        given = [f for f in MODEL_REWARD_FIELDS if getattr(spec, f) != fields[f].default]
-        if spec.name != "model" and given:
+        given = [f for f, names in READ_BY.items() if spec.name not in names and getattr(spec, f) != fields[f].default]
+        if given:
+            readers = sorted({n for f in given for n in READ_BY[f]})
             raise ConfigError(f"rewards[{i}]: {', '.join(f'{f}: {getattr(spec, f)!r}' for f in given)} is read only "
-                              f"by name: model (a reward model), and this reward is {spec.name!r}; remove "
-                              f"{'it' if len(given) == 1 else 'them'}, or set name: model")
-        if spec.name == "model" and spec.kwargs:
-            raise ConfigError(f"rewards[{i}].kwargs: {sorted(spec.kwargs)}: name: model takes no kwargs; its "
-                              "settings are the fields path, normalize and batch_tokens")
+                              f"by name: {' or '.join(readers)}, and this reward is {spec.name!r}; remove "
+                              f"{'it' if len(given) == 1 else 'them'}, or set name: {readers[0]}")
+        if spec.name in ("model", "judge") and spec.kwargs:
+            own = ", ".join(f for f, names in READ_BY.items() if spec.name in names)
+            raise ConfigError(f"rewards[{i}].kwargs: {sorted(spec.kwargs)}: name: {spec.name} takes no kwargs; its "
+                              f"settings are the fields {own}")
 
 
 def _data(cfg: Config) -> None:

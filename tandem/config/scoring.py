@@ -11,15 +11,16 @@ from tandem.config.base import Section
 
 class RewardSpec(Section):
     name: str = Field(
-        description="A registered reward (e.g. `arithmetic_exact`, `gsm8k`), a plugin `module:function`, or `model` "
-        "(a reward model: `path`).",
+        description="A registered reward (e.g. `arithmetic_exact`, `gsm8k`), a plugin `module:function`, `model` "
+        "(a reward model: `path`), or `judge` (a generative judge: `path`, `template`, `verdict`, `engine`).",
     )
     weight: float = Field(1.0, description="Weight in the summed reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
     path: str = Field(
-        "", description="`name: model` only: a local Hugging Face sequence-classification checkpoint with one output "
+        "", description="`name: model`: a local Hugging Face sequence-classification checkpoint with one output "
         "(a reward model, e.g. Skywork-Reward) that scores prompt + completion through its own tokenizer and chat "
-        "template. It runs in the trainer's process, on the device only while it scores (`placement.offload`).",
+        "template. It runs in the trainer's process, on the device only while it scores (`placement.offload`). "
+        "`name: judge`: a local causal-LM folder, the judge.",
     )
     normalize: Literal["none", "sigmoid", "zscore"] = Field(
         "none", description="`name: model` only: what the model's output becomes before the weighted sum: `none` "
@@ -29,6 +30,29 @@ class RewardSpec(Section):
     batch_tokens: int = Field(
         8192, ge=1, description="`name: model` only: the most tokens (rows x the longest, padding included) in one "
         "forward of the reward model; a longer text goes alone.",
+    )
+    template: str = Field(
+        "", description="`name: judge` only: the judge's prompt, a Python format string of {prompt} (as the policy "
+        "saw it: a chat's last user turn), {completion}, {reference} (the row's `answer`, empty without one) and any "
+        "other field of the row; given as the user's turn of the judge's chat template where it has one. Empty = "
+        "tandem.rollout.judge.DEFAULT_TEMPLATE (grade against the reference, end with <score>1</score> or "
+        "<score>0</score>).",
+    )
+    verdict: Literal["score", "answer"] = Field(
+        "score", description="`name: judge` only: how the score is read from the judge's greedy output. `score`: the "
+        "number in its first <score>...</score> tag. `answer`: the judge answers the problem itself (a template "
+        "without {completion}) and the completion scores 1 when its text, stripped, is the judge's output, "
+        "stripped, else 0. An output the rule cannot read scores 0 and is counted (`judge/<reward>/unreadable`, "
+        "and as a failing reward under reward_pool.max_error_rate).",
+    )
+    engine: Literal["hf", "vllm", "vllm_server"] = Field(
+        "hf", description="`name: judge` only: what runs the judge, in the trainer's process: the embedded `hf` "
+        "engine, vLLM in process (`vllm`), or a vLLM server tandem starts on loopback (`vllm_server`: its own "
+        "process; a server that dies fails the samples it was judging, counted, and the run stops by "
+        "reward_pool.max_error_rate). rollout.vllm.kv_cache_mb sizes a vLLM judge's KV cache.",
+    )
+    max_new_tokens: int = Field(
+        64, ge=1, description="`name: judge` only: the longest verdict the judge may write (greedy).",
     )
 
 

@@ -108,6 +108,18 @@ GROUPS: dict[str, tuple[str, tuple[Metric, ...]]] = {
                "while the reward model scored (policy and whatever else is resident, plus its weights and "
                "activations).", written="a `name: model` reward on a GPU", demos=False),
     )),
+    "Judge": ("A generative judge (`rewards: [{name: judge, path: ..., template: ...}]`, `tandem.rollout.judge`), "
+              "each under its reward's name, for the step's last scoring; its scores are `reward/<reward>`.", (
+        Metric("time/judge/<reward>", "seconds", "Time the judge took on the step's samples (every round): "
+               "rendering, its greedy generate call, reading the verdicts. Part of `time/reward`.",
+               written="a `name: judge` reward", demos=False),
+        Metric("judge/<reward>/samples", "count", "Samples of the last scoring (a text rendered for several is "
+               "judged once).", written="a `name: judge` reward", demos=False),
+        Metric("judge/<reward>/unreadable", "count", "Samples whose verdict the rule (`verdict`) could not read in "
+               "the judge's output: each scored 0 and counted in `reward/errors/<reward>/raised` too. Rising: the "
+               "judge's template or `max_new_tokens` does not fit it.", written="a `name: judge` reward",
+               demos=False),
+    )),
     "Advantage": ("What the policy gradient weighs each sample by (`algo.advantage`).", (
         Metric("advantage/mean", "advantage", "Mean advantage over the step's samples (reward units, or group "
                "standard deviations for `grpo`). About 0 with a group baseline; far from 0 under `reinforce_pp` "

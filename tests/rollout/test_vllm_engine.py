@@ -176,6 +176,26 @@ def test_a_seeded_batch_larger_than_one_engine_step_samples(engine):
     assert len(out) == len(prompts) and all(len(c.completion_ids) == 2 for c in out)
 
 
+def test_a_judge_on_vllm_gives_the_hf_judges_verdicts(engine, tiny_models):
+    """A generative judge (`rewards: [{name: judge, engine: vllm}]`) on this engine and one on the hf engine, greedy,
+    on a fixed set: the same outputs, so the same verdicts (under examples/judge.yaml's rule, half the completions
+    being the judge's own answer)."""
+    from tandem.modeling import load_tokenizer
+    from tandem.rollout.hf import HFEngine
+    from tandem.rollout.judge import Judge
+
+    path = str(tiny_models["tied"])
+    tokenizer = load_tokenizer(path)
+    problems = [f"{a}+{b}=" for a, b in ((12, 34), (47, 38), (99, 10), (55, 55))]
+    rows = [{}] * len(problems)
+    on_hf = Judge(HFEngine(path), tokenizer, template="{prompt}", verdict="answer", max_new_tokens=8)
+    on_vllm = Judge(engine, tokenizer, template="{prompt}", verdict="answer", max_new_tokens=8)
+    answers = on_hf.outputs([""] * len(problems), problems, rows)
+    assert all(a.strip() for a in answers) and on_vllm.outputs([""] * len(problems), problems, rows) == answers
+    completions = [a if i % 2 == 0 else a + "0" for i, a in enumerate(answers)]
+    assert on_vllm(completions, problems, rows) == on_hf(completions, problems, rows) == [1.0, 0.0, 1.0, 0.0]
+
+
 def test_multi_turn_conversations_match_hf(engine, hf, monkeypatch):
     """Conversations on vLLM as one continuous batch (each next turn queued as its last ends; never a generate call
     per turn), an environment's text appended as ids: the sampler's logprob of every sampled token equals the HF

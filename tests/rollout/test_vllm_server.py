@@ -53,6 +53,7 @@ def test_server_generates_and_updates_weights(tiny_models, tmp_path):
         with pytest.raises(ValueError, match="expected"):
             eng.load_weights([(name, new[:5])])
         _streams_across_an_update(eng, hf, prompts + [[200, 201, 202]])
+        _a_judge_whose_server_dies_fails_its_samples_naming_it(eng, path)
     assert eng.proc is not None and eng.proc.poll() is not None  # the server is gone
 
 
@@ -112,6 +113,25 @@ def _stream_with_one_finished_and_one_running(eng, prompts: list[list[int]]):
         for key in range(3):
             stream.discard(key)
     raise AssertionError(f"request 0 outran request 1 in {SET_UP_TRIES} tries: the test process stalls for seconds")
+
+
+def _a_judge_whose_server_dies_fails_its_samples_naming_it(eng, path: str) -> None:
+    """A generative judge on this server (`rewards: [{name: judge, engine: vllm_server}]`) judges; once the server
+    is killed, each sample it was to judge scores 0 and is counted as the judge's failure, the error naming the
+    server and how it ended (reward_pool.max_error_rate then stops the run, as for any reward failing everywhere)."""
+    from tandem.modeling import load_tokenizer
+    from tandem.rewards import RewardScorer
+    from tandem.rollout.judge import Judge
+
+    judge = Judge(eng, load_tokenizer(path), template="{prompt}", verdict="answer", max_new_tokens=4)
+    scorer = RewardScorer([("judge", 1.0, {})], workers=0, builders={"judge": lambda spec: judge})
+    problems, rows = ["12+34=", "47+38="], [{}, {}]
+    assert scorer.score(["46", "85"], problems, rows).errors["judge"] == 0
+    eng.proc.kill()
+    eng.proc.wait()
+    res = scorer.score(["46", "85"], problems, rows)
+    assert res.total == [0.0, 0.0] and res.error_kinds["judge"] == {"raised": 2}
+    assert f"vLLM server {eng.base_url}" in res.last_error["judge"] and "killed by signal 9" in res.last_error["judge"]
 
 
 def test_a_cpu_server_runs_latent_attention_with_the_rotary_embedding_in_pytorch(tmp_path):
