@@ -186,7 +186,7 @@ def test_the_demo_reward_models_wrong_answers_are_wrong():
     import random
 
     from tandem.data import arithmetic
-    from tandem.demo import WRONG_KINDS, wrong_answer
+    from tandem.demo import WRONG_KINDS, near_misses, wrong_answer
 
     rng = random.Random(0)
     pairs = [tuple(map(int, r["question"][:-1].split("+"))) for r in arithmetic.rows("test")]
@@ -197,3 +197,8 @@ def test_the_demo_reward_models_wrong_answers_are_wrong():
                 assert kind == "carryless" and not arithmetic.has_carry(a, b)
             else:
                 assert guess and guess != arithmetic.answer(a, b)
+    for a, b in pairs:
+        misses = near_misses(a, b)
+        assert arithmetic.answer(a, b) not in misses and "" not in misses
+        assert arithmetic.has_carry(a, b) == (arithmetic.carryless(a, b) in misses)
+        assert len(misses) >= 9 * len(arithmetic.answer(a, b))  # every digit changed every way
