@@ -181,3 +181,25 @@ def test_a_run_scored_by_a_reward_model_logs_its_registered_metrics(classifier, 
     assert step["reward/mean"] == pytest.approx(step["reward/model"])  # the model's weight 1, the rule's 0
     names = {k for r in rows for k in r}
     assert [n for n in names if entry_of(n, {"reward": ["arithmetic_exact", "model"]}) is None] == []
+
+
+def test_the_demo_reward_models_wrong_answers_are_wrong():
+    import random
+
+    from tandem.data import arithmetic
+    from tandem.demo import WRONG_KINDS, near_misses, wrong_answer
+
+    rng = random.Random(0)
+    pairs = [tuple(map(int, r["question"][:-1].split("+"))) for r in arithmetic.rows("test")]
+    for kind in [None, *WRONG_KINDS]:
+        for a, b in pairs:
+            guess = wrong_answer(a, b, rng, kind)
+            if guess is None:  # only a carry-less answer to a sum without a carry, which is right
+                assert kind == "carryless" and not arithmetic.has_carry(a, b)
+            else:
+                assert guess and guess != arithmetic.answer(a, b)
+    for a, b in pairs:
+        misses = near_misses(a, b)
+        assert arithmetic.answer(a, b) not in misses and "" not in misses
+        assert arithmetic.has_carry(a, b) == (arithmetic.carryless(a, b) in misses)
+        assert len(misses) >= 9 * len(arithmetic.answer(a, b))  # every digit changed every way
