@@ -145,8 +145,9 @@ class Policy:
         return model
 
     def _watch_routers(self, algo: AlgoConfig) -> None:
-        """An MoE's router hooks (`tandem.moe.Routing`) on the policy and the reference, and the load-balancing
-        loss's weight: `algo.router_aux_coef`, or the model config's where that is None. Dense: none of it."""
+        """An MoE's router hooks (`tandem.moe.Routing`) on the policy, the reference and the teacher, and the
+        load-balancing loss's weight: `algo.router_aux_coef`, or the model config's where that is None. Dense: none
+        of it."""
         self.routing = moe.Routing(self.model) if moe.routers(self.model) else None
         self.ref_routing = self.routing  # LoRA: the reference is the same model, adapters off
         if self.ref is not None:
