@@ -326,8 +326,7 @@ def _reward_model_builder(cfg: Config):
     """`name: model` rewards run in this process, on its device, offloaded between calls as colocated workers
     offload (placement.offload), in the policy's dtype."""
     device = local_device()
-    offload = cfg.placement.offload is True or (cfg.placement.offload == "auto" and device != "cpu")
-    return reward_model.builder(device, cfg.model.dtype, offload, cfg.model.trust_remote_code)
+    return reward_model.builder(device, cfg.model.dtype, cfg.placement.offloads(device), cfg.model.trust_remote_code)
 
 
 def _judge_builder(cfg: Config):

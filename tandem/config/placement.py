@@ -93,6 +93,10 @@ class PlacementConfig(Section):
         "above a 64 MiB bucket on any link, short enough that a stalled sync does not hang a run for long.",
     )
 
+    def offloads(self, device: str) -> bool:
+        """Whether a worker on `device` moves what its phase does not need off the device (`offload`)."""
+        return self.offload is True or (self.offload == "auto" and device != "cpu")
+
     @model_validator(mode="after")
     def _resource_checks(self) -> "PlacementConfig":
         """Per-role Ray resources: custom ones only, positive, and only where a worker of that role runs on Ray."""

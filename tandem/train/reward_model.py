@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from tandem.modeling import ModelFolderError, check_model_files, check_tokenizer_files, load_sequence_classifier
+from tandem.modeling import ModelFolderError, check_model_folder, load_sequence_classifier
 from tandem.modeling import load_tokenizer, read_json
 from tandem.train.offload import Offloader
 from tandem.util import residency
@@ -34,15 +34,7 @@ def check_checkpoint(path: str, field: str) -> Path:
     if not path:
         raise ModelFolderError(f"{field}: empty; set it to a local sequence-classification checkpoint with one "
                                "output (a folder with config.json, *.safetensors and its tokenizer)")
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ModelFolderError(f"{field}: {path!r} is not a folder; point it at a local reward model's folder "
-                               "(downloads are not done at run time: `huggingface-cli download` it first)")
-    try:
-        check_model_files(folder)
-        check_tokenizer_files(folder)
-    except ModelFolderError as exc:
-        raise ModelFolderError(f"{field} (a reward model): {exc}") from None
+    folder = check_model_folder(path, field)  # a folder, config.json, whole safetensors, a tokenizer
     config = read_json(folder / "config.json")
     archs = config.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in archs):

@@ -50,7 +50,7 @@ class HybridWorker:
         self.engine = make_engine(name, **kwargs)
         self.sample = sample_with(cfg, self.engine)
         pl = cfg.placement
-        self.offload = pl.offload is True or (pl.offload == "auto" and self.ctx.device != "cpu")
+        self.offload = pl.offloads(self.ctx.device)
         self.version = 0
         self._resident: dict[str, int] = {}
         self._engine_awake = True

@@ -154,4 +154,3 @@ def test_a_cpu_server_runs_latent_attention_with_the_rotary_embedding_in_pytorch
     assert json.loads(cmd[cmd.index("--compilation-config") + 1]) == {"custom_ops": ["-rotary_embedding"]}
     assert "--compilation-config" not in command(mla, on_cpu=False)
     assert "--compilation-config" not in command({"model_type": "llama"}, on_cpu=True)
-
