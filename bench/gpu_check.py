@@ -33,6 +33,8 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
   mla-sync        a tiny DeepSeek-V3 with vLLM in process on its CUDA latent-attention backend: logprob_diff; then
                   LoRA on its attention served by vLLM's own LoRA (q_a_proj and kv_a_proj_with_mqa packed in one)
   bf16-bound      model.dtype bfloat16 with vLLM: the logprob gap measured against rollout.max_logprob_diff 'auto'
+  reward-model-memory  a reward model offloaded between scorings: one step's peak at most the peak with the
+                  reference resident and no reward model, plus the reward model's activations
   memory          bench/bench_memory.py on CUDA: the GRPO peak against plain fine-tuning's
   trl-vllm        bench/bench_trl.py's large workload in bf16 on the GPU, TRL and tandem each sampling with vLLM in
                   its process (TRL's colocate mode): both run, and their seconds per step side by side
@@ -352,6 +354,29 @@ def check_bf16(work: Path) -> str:
     engine = "hf" if DRY else "vllm"  # vLLM-CPU runs float32 only on machines without native bf16
     rows = _run(tiny(work / "tiny"), work / "run", "model.dtype=bfloat16", f"rollout.engine={engine}")
     return f"{engine} bf16, auto bound {bound:g}: " + _logprob_gap(rows, bound)
+
+
+@check("reward-model-memory")
+def check_reward_model_memory(work: Path) -> str:
+    """One step with the reference resident (algo.kl_coef) and rule rewards, then the same step scored by a reward
+    model too, offloaded between scorings: the second run's peak is at most the first's plus the reward model's
+    activations (`memory/reward_model/<r>/activation_bytes`), i.e. its weights never add to the peak."""
+    from train.test_reward_model import save_classifier
+
+    model, classifier = tiny(work / "tiny"), save_classifier(work / "rm")
+    scored = f"rewards=[{{name: arithmetic_exact, weight: 0}}, {{name: model, path: '{classifier}'}}]"
+    peaks, rows = {}, []
+    for name, extra in (("reference", []), ("reward-model", [scored])):
+        if not DRY:
+            torch.cuda.reset_peak_memory_stats()
+        rows = _run(model, work / name, "placement.offload=true", *extra, steps=1)
+        peaks[name] = torch.cuda.max_memory_allocated() if not DRY else 0
+    activations = rows[-1].get("memory/reward_model/model/activation_bytes", 0.0)
+    assert rows[-1]["memory/reward_model/model/idle_bytes"] == 0, rows[-1]
+    if not DRY:
+        assert peaks["reward-model"] <= peaks["reference"] + activations, (peaks, activations)
+    return (f"peak {peaks['reward-model'] / 2**20:.1f} MiB with the reward model, {peaks['reference'] / 2**20:.1f} "
+            f"MiB without, its activations {activations / 2**20:.2f} MiB")
 
 
 @check("memory")

@@ -28,6 +28,9 @@ class Completion:
     # Streaming (placement.schedule: stream): the policy version that sampled each completion token (its weights may
     # change mid-sequence). None: every token was sampled by the rollout's version.
     versions: list[int] | None = None
+    # Distillation on teacher workers of its own (placement.teacher_workers): the teacher's logprob of each completion
+    # token, scored between sampling and training. None: not scored there (the trainers score it, or no teacher).
+    teacher_logprobs: list[float] | None = None
 
     @property
     def sampled_tokens(self) -> int:

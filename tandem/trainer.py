@@ -26,7 +26,7 @@ from tandem.run.trackers import RunInfo, Trackers
 from tandem.run.source import RolloutSource, sampling_for
 from tandem.train import lora, reward_model
 from tandem.util.rng import rng_state, set_rng_state
-from tandem.workers import placement
+from tandem.workers import models, placement
 from tandem.workers.group import Pending, local_device
 from tandem.workers.placement import Placement, Synced
 
@@ -142,6 +142,8 @@ def grpo_step(run: Run, step: int) -> Launched:
     samples = batch.samples
     lengths = samples.completion_lengths
     run.workers.observe_lengths(lengths)
+    if run.workers.teachers is not None:  # distillation on the teacher's own workers, beside the previous update
+        samples, m["time/teacher"] = run.workers.teacher_logprobs(samples)
     prepared = run.workers.prepare(samples)  # queued behind the previous step's update and sync
     reward = batch.rewards
     if a.kl_in_reward:
@@ -309,10 +311,11 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
         pool = cfg.reward_pool
         scorer = RewardScorer(cfg.rewards, timeout_s=pool.timeout_s, workers=pool.workers,
                               step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate,
-                              builders={reward_model.NAME: _reward_model_builder(cfg), judge.NAME: _judge_builder(cfg)})
+                              builders=_builders(cfg))
         undo.callback(scorer.close)  # its worker processes started early, to warm up while the models load
         workers = placement.build(cfg)
         undo.callback(workers.shutdown)
+        _attach_rewards(scorer, workers)
         stream = PromptStream(train_prompts, cfg.run.seed)
         start_step = 0 if last is None else _resume(cfg, workers, stream, last)
         correct = cfg.rewards[0].name
@@ -322,22 +325,20 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
     return run
 
 
-def _reward_model_builder(cfg: Config):
-    """`name: model` rewards run in this process, on its device, offloaded between calls as colocated workers
-    offload (placement.offload), in the policy's dtype."""
-    device = local_device()
-    return reward_model.builder(device, cfg.model.dtype, cfg.placement.offloads(device), cfg.model.trust_remote_code)
+def _builders(cfg: Config) -> dict:
+    """What builds each model-backed reward (`RewardScorer`'s `builders`): in this process, on its device; with
+    placement.reward_workers, the controller's side of one on workers of its own (`RemoteReward`), which the
+    placement's workers are attached to once started (`_attach_rewards`)."""
+    if not cfg.placement.reward_workers:
+        return models.reward_builders(cfg, local_device())
+    return {name: models.RemoteReward for name in models.MODEL_REWARDS}
 
 
-def _judge_builder(cfg: Config):
-    """`name: judge` rewards run on an engine of their own in this process (or a vLLM server it starts), in the
-    policy's dtype."""
-    def build(spec):
-        return judge.make_judge(spec, dtype=cfg.model.dtype, seed=cfg.run.seed, device=local_device(),
-                                kv_cache_bytes=cfg.rollout.vllm.kv_cache_mb << 20,
-                                trust_remote_code=cfg.model.trust_remote_code)
-
-    return build
+def _attach_rewards(scorer: RewardScorer, workers: Placement) -> None:
+    """Each `RemoteReward` of the scorer (cfg.rewards order) to the workers the placement started for it."""
+    remote = [e for e in scorer.entries if isinstance(e.rf.fn, models.RemoteReward)]
+    for e, i in zip(remote, sorted(workers.reward_hosts)):
+        e.rf.fn.attach(workers.reward_hosts[i], e.key)
 
 
 def _check_before_loading(cfg: Config) -> None:

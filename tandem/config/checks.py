@@ -150,6 +150,23 @@ def _engine(cfg: Config) -> None:
         raise ConfigError(f"rollout.tensor_parallel: {r.tensor_parallel} needs rollout.engine: vllm (the "
                           f"{r.engine} engine has no tensor parallel); set rollout.tensor_parallel=1")
 
+
+def _model_workers(cfg: Config) -> None:
+    """placement.reward_workers and teacher_workers: Ray workers for models in the loop, only where there is one."""
+    pl = cfg.placement
+    for field, what, wanted in (
+            ("reward_workers", "a reward model or a judge (rewards: name: model or name: judge)",
+             any(s.name in ("model", "judge") for s in cfg.rewards)),
+            ("teacher_workers", "a distillation teacher (algo.distill.teacher)", bool(cfg.algo.distill.teacher))):
+        n = getattr(pl, field)
+        if n and pl.backend != "ray":
+            raise ConfigError(f"placement.{field}: {n} starts Ray workers: it needs placement.backend: ray; or set "
+                              f"placement.{field}=0 to run {what} in this process")
+        if n and not wanted:
+            raise ConfigError(f"placement.{field}: {n} reserves workers for {what}, and the config has none; set "
+                              f"placement.{field}=0")
+
+
 def _placement(cfg: Config) -> None:
     """Where the workers run, and what the engines and adapters need of that."""
     pl = cfg.placement
@@ -171,6 +188,7 @@ def _placement(cfg: Config) -> None:
         raise ConfigError(f"placement.expert_parallel: {pl.expert_parallel} with placement.tensor_parallel: "
                           f"{pl.tensor_parallel}: expert parallelism replaces tensor parallelism for the experts "
                           "and the two are not combined yet; set one of them to 1")
+    _model_workers(cfg)
     if pl.schedule == "async" and pl.mode != "split":
         raise ConfigError("placement.schedule: async needs placement.mode: split (colocated workers time-slice "
                           "one device: there is nothing to overlap); use schedule: sync or mode: split")

@@ -64,6 +64,18 @@ class PlacementConfig(Section):
         "`auto`: on for GPUs, off on CPU (there host and device are the same memory; `true` still runs it, for tests "
         "and accounting).",
     )
+    reward_workers: int = Field(
+        0, ge=0, description="Ray backend: each model-backed reward (`name: model`, `name: judge`) runs on this many "
+        "Ray workers of its own (with cpus_per_worker and gpus_per_worker each; a call's samples shared out over "
+        "them), instead of in the controller's process. 0 = in the controller, on its device (offloaded between "
+        "scorings with `offload`). A judge on a vLLM server starts its server from its worker.",
+    )
+    teacher_workers: int = Field(
+        0, ge=0, description="Ray backend, with algo.distill: the teacher runs on this many Ray workers of its own "
+        "(a step's groups shared out over them), scoring each batch while the trainers update on the previous one, "
+        "instead of beside the policy in every training worker. 0 = beside the policy, sharded as the reference "
+        "is and offloaded outside the logprobs phase.",
+    )
     ray_address: str = Field(
         "", description="Connect to this Ray cluster (multi-node); empty = start a Ray on 127.0.0.1 for this run.",
     )

@@ -107,6 +107,9 @@ GROUPS: dict[str, tuple[str, tuple[Metric, ...]]] = {
         Metric("memory/reward_model/<reward>/peak_bytes", "bytes", "The process's peak allocated device memory "
                "while the reward model scored (policy and whatever else is resident, plus its weights and "
                "activations).", written="a `name: model` reward on a GPU", demos=False),
+        Metric("memory/reward_model/<reward>/activation_bytes", "bytes", "Of that peak, what its forwards added above "
+               "the memory allocated once its weights were in: its activations.",
+               written="a `name: model` reward on a GPU", demos=False),
     )),
     "Judge": ("A generative judge (`rewards: [{name: judge, path: ..., template: ...}]`, `tandem.rollout.judge`), "
               "each under its reward's name, for the step's last scoring; its scores are `reward/<reward>`.", (
@@ -270,7 +273,9 @@ GROUPS: dict[str, tuple[str, tuple[Metric, ...]]] = {
                "to this step's batch."),
         Metric("time/logprobs", "seconds", "Time computing old-policy, reference and teacher logprobs before the "
                "update."),
-        Metric("time/teacher", "seconds", "The part of time/logprobs the distillation teacher's forwards took.",
+        Metric("time/teacher", "seconds", "The part of time/logprobs the distillation teacher's forwards took; with "
+               "placement.teacher_workers, the slowest teacher worker's seconds for the step's batch (beside the "
+               "previous update, outside time/logprobs).",
                written="`algo.distill.teacher` set", demos=False),
         Metric("time/update", "seconds", "Time of the update: forwards, backwards and optimizer steps."),
     )),

@@ -55,7 +55,7 @@ class MicroBatch:
     sampler_logprobs: torch.Tensor  # [b, T]
     old_logprobs: torch.Tensor | None = None  # [b, T], filled before updates when mu > 1 or mini_batches > 1
     ref_logprobs: torch.Tensor | None = None  # [b, T], filled when kl_coef > 0
-    teacher_logprobs: torch.Tensor | None = None  # [b, T], filled when algo.distill names a teacher
+    teacher_logprobs: torch.Tensor | None = None  # [b, T], filled when algo.distill names a teacher (or collated)
     shared: SharedPrompts | None = None  # set when rows repeat a prompt: the prompt-once layout of the same rows
     # Mixture of experts, where the sampler recorded them (`Completion.routes`): the experts each position of
     # input_ids went to [b, L, MoE layers, top_k], and where that is known [b, L] bool (`tandem.moe.batch_routes`)
@@ -144,6 +144,9 @@ def collate(completions: list[Completion], rows: list[int], pad_id: int, share_p
                        dtype=torch.float32).view(len(rows), T)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     mb = MicroBatch(rows, ids, attn, pos, targets, mask.float(), slp)
+    if completions[rows[0]].teacher_logprobs is not None:  # scored on the teacher's own workers
+        mb.teacher_logprobs = torch.tensor([[0.0] * (T - len(c)) + list(completions[i].teacher_logprobs)
+                                            for i, c in zip(rows, outs)], dtype=torch.float32).view(len(rows), T)
     routes = [completions[i].routes for i in rows]
     shape = next((r.shape[1:] for r in routes if r is not None), None)
     if shape is not None:

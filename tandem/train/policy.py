@@ -74,7 +74,8 @@ class Policy:
     def __init__(self, model_path: str, dtype: str, trust_remote_code: bool, algo: AlgoConfig, optim: OptimConfig,
                  total_optimizer_steps: int, temperature: float, max_completion_tokens: int, mesh=None,
                  device: str | None = None, old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED,
-                 lora: LoraConfig | None = None, seed: int = 0, expert_parallel: int = 1):
+                 lora: LoraConfig | None = None, seed: int = 0, expert_parallel: int = 1,
+                 teacher_on_workers: bool = False):
         """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping);
         `expert_parallel`: EP groups of that many dp ranks share each MoE layer's experts (`parallel.parallelize`).
 
@@ -90,6 +91,9 @@ class Policy:
 
         `lora` (enabled): only adapters train (PEFT; `seed` initializes them); the reference is the same model with
         its adapters switched off, so no second copy is loaded.
+
+        `teacher_on_workers` (placement.teacher_workers): the distillation teacher runs on workers of its own, and its
+        logprobs arrive with the samples (`Completion.teacher_logprobs`); none is loaded here.
         """
         from tandem.train.parallel import parallelize
 
@@ -116,8 +120,9 @@ class Policy:
         # (the policy with its adapters off is the reference)
         self.ref = self._frozen(model_path, dtype, trust_remote_code, device) \
             if self.uses_ref and self.lora is None else None
+        self.distilling = bool(algo.distill.teacher)
         self.teacher = self._frozen(algo.distill.teacher, dtype, trust_remote_code, device) \
-            if algo.distill.teacher else None
+            if self.distilling and not teacher_on_workers else None
         self._watch_routers(algo)
         self.device = next(self.model.parameters()).device
         for p in self._tensors("params") + self._tensors("ref") + self._tensors("teacher"):
@@ -258,6 +263,9 @@ class Policy:
                     self.teacher, self.teacher_routing, mb, self.temperature,
                     share_prompts=self.mesh is None and shares_prompts(self.teacher))[0]
                 teacher_s += time.perf_counter() - start
+            elif self.distilling and mb.teacher_logprobs is None:
+                raise RuntimeError("algo.distill: the teacher runs on placement.teacher_workers, and this step's "
+                                   "samples came without its logprobs (Completion.teacher_logprobs)")
             if self.old_logprobs is OldLogprobs.SAMPLER:
                 mb.old_logprobs = mb.sampler_logprobs  # first-pass stats come from the update's first forward
             elif self.old_logprobs is OldLogprobs.RECOMPUTED:
@@ -294,7 +302,7 @@ class Policy:
         if record is not None:
             route_stats(mb, record, stats, self.routing.num_experts)
         diff = (logp.detach() - mb.sampler_logprobs).abs() * mb.mask
-        if self.teacher is not None:  # k1's estimate of the reverse KL(policy || teacher), per token (every rank)
+        if self.distilling:  # k1's estimate of the reverse KL(policy || teacher), per token (every rank)
             stats.add("distill/reverse_kl", float(((logp.detach() - mb.teacher_logprobs) * mb.mask).sum()), mb.tokens)
         stats.add("entropy", float(entropy.sum()), mb.tokens)
         stats.add("logprob_diff", float(diff.sum()), mb.tokens)
@@ -349,7 +357,7 @@ class Policy:
         if first_pass:
             self._first_pass_stats(mb, logp, ent.detach(), stats, record)
         adv = mb.advantages(advantages)
-        if self.teacher is not None:  # per token: the row's advantage plus the teacher's term at each token
+        if self.distilling:  # per token: the row's advantage plus the teacher's term at each token
             old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
             adv = adv.unsqueeze(-1) + distill_advantages(old, mb.teacher_logprobs, mb.mask, a.distill.coef)
         loss_tok, metrics = token_loss(self.loss_spec, logp, adv, mb.mask,

@@ -139,6 +139,7 @@ class RewardModel:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.offloader.to_device("weights")
         resident = sum(self.offloader.resident_bytes().values())
+        loaded = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         try:
             for group in groups:
                 try:
@@ -151,8 +152,8 @@ class RewardModel:
             if self.offload:
                 self.offloader.to_host("weights")
         raw = [s for s in out if isinstance(s, float)]
-        self._last = self._stats(groups, seqs, raw, resident, time.perf_counter() - start)
-        return self._normalized(out)
+        self._last = self._stats(groups, seqs, raw, resident, loaded, time.perf_counter() - start)
+        return normalized(out, self.normalize)
 
     def _one(self, seq: list[int]) -> Any:
         try:
@@ -160,19 +161,8 @@ class RewardModel:
         except Exception as exc:
             return exc
 
-    def _normalized(self, out: list[Any]) -> list[Any]:
-        if self.normalize == "sigmoid":
-            return [1 / (1 + math.exp(-s)) if isinstance(s, float) else s for s in out]
-        if self.normalize == "zscore":
-            ok = torch.tensor([s for s in out if isinstance(s, float)], dtype=torch.float64)
-            if len(ok) < 2:
-                return [0.0 if isinstance(s, float) else s for s in out]
-            mean, std = float(ok.mean()), float(ok.std())
-            return [((s - mean) / std if std > 0 else 0.0) if isinstance(s, float) else s for s in out]
-        return out
-
     def _stats(self, groups: list[list[int]], seqs: dict[int, list[int]], raw: list[float], resident: int,
-               seconds: float) -> dict[str, float]:
+               loaded: int, seconds: float) -> dict[str, float]:
         padded = [len(g) * max(len(seqs[i]) for i in g) for g in groups]
         scores = torch.tensor(raw, dtype=torch.float64)
         stats = {"seconds": seconds, "batches": float(len(groups)),
@@ -184,6 +174,7 @@ class RewardModel:
                  "idle_bytes": float(sum(self.offloader.resident_bytes().values()))}
         if self.device.type == "cuda":
             stats["peak_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
+            stats["activation_bytes"] = stats["peak_bytes"] - loaded  # above what was allocated, its weights in
         return stats
 
     def metrics(self, key: str) -> dict[str, float]:
@@ -192,14 +183,28 @@ class RewardModel:
         out = {f"time/reward_model/{key}": m.get("seconds", 0.0)}
         out.update({f"reward_model/{key}/{k}": m[k] for k in ("batches", "batch_rows", "batch_tokens", "raw_mean",
                                                                "raw_std") if k in m})
-        out.update({f"memory/reward_model/{key}/{k}": m[k] for k in ("resident_bytes", "idle_bytes", "peak_bytes")
-                    if k in m})
+        memory = ("resident_bytes", "idle_bytes", "peak_bytes", "activation_bytes")
+        out.update({f"memory/reward_model/{key}/{k}": m[k] for k in memory if k in m})
         return out
 
     def close(self) -> None:
         """Free the model (the scorer calls it when the run ends)."""
         self.model = None
         self.offloader.groups.clear()
+
+
+def normalized(out: list[Any], rule: str) -> list[Any]:
+    """A call's scores under `rule` (NORMALIZATIONS; `zscore` over the call's scores); failed places (exceptions)
+    stay as they are."""
+    if rule == "sigmoid":
+        return [1 / (1 + math.exp(-s)) if isinstance(s, float) else s for s in out]
+    if rule == "zscore":
+        ok = torch.tensor([s for s in out if isinstance(s, float)], dtype=torch.float64)
+        if len(ok) < 2:
+            return [0.0 if isinstance(s, float) else s for s in out]
+        mean, std = float(ok.mean()), float(ok.std())
+        return [((s - mean) / std if std > 0 else 0.0) if isinstance(s, float) else s for s in out]
+    return out
 
 
 def builder(device: str, dtype: str, offload: bool, trust_remote_code: bool = False):

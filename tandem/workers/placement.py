@@ -94,6 +94,8 @@ class Placement:
     version: int = 0  # the newest policy version sent to the engines (maybe still on its way)
     engine_tp: int = 1  # workers per rollout engine (vLLM tensor parallel over colocated workers)
     leftovers: list[str] = field(default_factory=list)  # the engines' shared-memory files, removed at shutdown
+    reward_hosts: dict[int, WorkerGroup] = field(default_factory=dict)  # placement.reward_workers: rewards[i]'s
+    teachers: WorkerGroup | None = None  # placement.teacher_workers: the distillation teacher's
 
     def submit_generate(self, prompts: list[list[int]], sampling: Sampling) -> Pending[Rollout]:
         """Spread prompts over the samplers so they finish together: balanced by expected tokens, not count.
@@ -141,6 +143,13 @@ class Placement:
         got = self.samplers.submit_side(RolloutWorker.receive_weights, version)  # runs while a generate works
         return Synced([sent, got])
 
+    def teacher_logprobs(self, samples: Samples) -> tuple[Samples, float]:
+        """With placement.teacher_workers: `samples` with the teacher's logprob of every sampled token, and the
+        teacher's seconds (`tandem.workers.models.teacher_logprobs`)."""
+        from tandem.workers.models import teacher_logprobs
+
+        return teacher_logprobs(self.teachers, samples)
+
     def save(self, folder: str) -> None:
         self.trainers.call(Trainer.save, folder)
 
@@ -174,12 +183,14 @@ def build(cfg: Config) -> Placement:
         # run's leftovers then never collide with the next start
         shm_ident = f"tandem-{uuid.uuid4().hex[:12]}"
         worker = functools.partial(HybridWorker, cfg, shm_ident=shm_ident)
-        (group,) = start_groups([GroupSpec("hybrid", worker, pl.workers, **res, resources=pl.train_resources,
-                                           resources_from="placement.train_resources")],
-                                address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
+        owners, models = _model_specs(cfg)
+        group, *extra = start_groups([GroupSpec("hybrid", worker, pl.workers, **res, resources=pl.train_resources,
+                                                resources_from="placement.train_resources"), *models],
+                                     address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
         tp = cfg.rollout.tensor_parallel if cfg.rollout.engine == "vllm" else 1
-        placement = Placement(group, group, split=False, groups=[group], engine_tp=tp)
+        placement = Placement(group, group, split=False, groups=[group, *extra], engine_tp=tp)
         try:
+            _attach_models(placement, owners, extra)
             placement.leftovers = sorted({f for fs in group.call(HybridWorker.shared_memory_segments) for f in fs})
             group.call(HybridWorker.sync_weights, 0)  # plans the in-group reshard once, and checks it, before any step
         except BaseException:
@@ -188,14 +199,16 @@ def build(cfg: Config) -> Placement:
         return placement
     # The samplers join no torch world (a vLLM engine would adopt it and hang on collectives the trainers never
     # make); weights reach them over a channel of their own, for every engine alike.
-    trainers, samplers = start_groups(
+    owners, models = _model_specs(cfg)
+    trainers, samplers, *extra = start_groups(
         [GroupSpec("trainers", functools.partial(TrainWorker, cfg), pl.train_workers, **res,
                    resources=pl.train_resources, resources_from="placement.train_resources"),
          GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res, join_world=False,
-                   resources=pl.rollout_resources, resources_from="placement.rollout_resources")],
+                   resources=pl.rollout_resources, resources_from="placement.rollout_resources"), *models],
         address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
-    placement = Placement(trainers, samplers, split=True, groups=[trainers, samplers])
+    placement = Placement(trainers, samplers, split=True, groups=[trainers, samplers, *extra])
     try:
+        _attach_models(placement, owners, extra)
         from tandem.sync.planner import plan_to_replicas
 
         address, size = trainers.free_address(0), pl.train_workers + pl.rollout_workers
@@ -211,6 +224,34 @@ def build(cfg: Config) -> Placement:
         placement.shutdown()
         raise
     return placement
+
+
+def _model_specs(cfg: Config) -> tuple[list[int | None], list]:
+    """The groups of the models in the loop that run on workers of their own, after the policy's (they join no torch
+    world: each works alone), and whose each is: placement.reward_workers for each model-backed reward (its index in
+    `rewards`), then placement.teacher_workers for the distillation teacher (None)."""
+    from tandem.workers.models import MODEL_REWARDS, RewardHost, TeacherWorker
+    from tandem.workers.ray_group import GroupSpec
+
+    pl = cfg.placement
+    res = dict(cpus_per_worker=pl.cpus_per_worker, gpus_per_worker=pl.gpus_per_worker, join_world=False)
+    owners: list[int | None] = [i for i, spec in enumerate(cfg.rewards)
+                                if pl.reward_workers and spec.name in MODEL_REWARDS]
+    specs = [GroupSpec(f"reward{i}-{cfg.rewards[i].name}", functools.partial(RewardHost, cfg, i), pl.reward_workers,
+                       **res) for i in owners]
+    if pl.teacher_workers:
+        owners.append(None)
+        specs.append(GroupSpec("teacher", functools.partial(TeacherWorker, cfg), pl.teacher_workers, **res))
+    return owners, specs
+
+
+def _attach_models(placement: Placement, owners: list[int | None], groups: list) -> None:
+    """The groups `_model_specs` asked for, started, named on the placement."""
+    for owner, group in zip(owners, groups, strict=True):
+        if owner is None:
+            placement.teachers = group
+        else:
+            placement.reward_hosts[owner] = group
 
 
 def check_devices(cfg: Config) -> None:

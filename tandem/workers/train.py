@@ -49,7 +49,8 @@ class TrainWorker:
                              cfg.rollout.temperature, cfg.max_completion_tokens, mesh=self.mesh,
                              device=None if self.ctx.device == "cpu" else self.ctx.device,
                              old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed,
-                             expert_parallel=cfg.placement.expert_parallel)
+                             expert_parallel=cfg.placement.expert_parallel,
+                             teacher_on_workers=cfg.placement.teacher_workers > 0)
         # What the engines load: vLLM (in process or a server) takes the checkpoint's tensors by the checkpoint's
         # names (an MoE's experts one by one, cut from the trainer's fused ones); the hf engine is the trainer's own
         # transformers class and takes its names as they are.

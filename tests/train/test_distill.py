@@ -118,3 +118,40 @@ def test_a_teacher_that_cannot_serve_is_refused_before_any_model_loads(tiny_mode
         cfg = load_config(None, [f"model.path={tiny_model}", f"algo.distill.teacher={teacher}"])
         with pytest.raises(ModelFolderError, match=f"algo.distill.teacher: .*{says}"):
             _check_before_loading(cfg)
+
+
+def test_teacher_workers_score_as_the_trainer_does_and_the_policy_trains_on_what_they_send(tiny_model, teacher):
+    """placement.teacher_workers: two teacher workers (each taking whole groups) give every sampled token the
+    float64 teacher logprob, shipped with the samples; a policy that loads no teacher lays them out and reports the
+    same reverse KL and loss as one scoring the teacher itself. Red if a worker's logprobs were misaligned (left
+    instead of right), scored at temperature 1, or the policy trained on anything but what was shipped."""
+    import functools
+
+    from tandem.config import load_config
+    from tandem.workers.models import TeacherWorker, teacher_logprobs
+    from workers.test_models import InProcessWorkers
+
+    cfg = load_config(None, [f"model.path={tiny_model}", f"algo.distill.teacher={teacher}",
+                             f"rollout.temperature={TEMPERATURE}", "batch.micro_batch_tokens=24",
+                             "data.max_prompt_tokens=8", "rollout.max_new_tokens=8"])
+    workers = InProcessWorkers(functools.partial(TeacherWorker, cfg), 2)
+    samples = _samples()
+    scored, seconds = teacher_logprobs(workers, samples)
+    assert seconds > 0 and [c.completion_ids for c in scored.completions] == [c.completion_ids for c in
+                                                                           samples.completions]
+    for c, want in zip(scored.completions, _float64_logprobs(teacher, samples)):
+        assert (torch.tensor(c.teacher_logprobs).double() - want).abs().max() < 1e-5
+    algo = AlgoConfig(distill=DistillConfig(teacher=str(teacher), coef=0.5))
+    stats = []
+    for on_workers, batch in ((False, samples), (True, scored)):
+        torch.manual_seed(0)
+        policy = Policy(str(tiny_model), "float32", False, algo, OptimConfig(lr=1e-3), 10, TEMPERATURE, 5,
+                        teacher_on_workers=on_workers)
+        assert (policy.teacher is None) == on_workers
+        stats.append(policy.update(policy.prepare(_batch(policy, batch), len(batch)), torch.zeros(len(batch))))
+    for key in ("distill/reverse_kl", "loss"):
+        assert stats[1][key] == pytest.approx(stats[0][key], abs=1e-6)
+    policy = Policy(str(tiny_model), "float32", False, algo, OptimConfig(lr=1e-3), 10, TEMPERATURE, 5,
+                    teacher_on_workers=True)
+    with pytest.raises(RuntimeError, match="came without its logprobs"):
+        policy.prepare(_batch(policy, samples), len(samples))

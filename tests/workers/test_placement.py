@@ -319,3 +319,23 @@ def test_two_worker_resume_reproduces_the_uninterrupted_run(session, tiny_model,
     train(small_config(tiny_model, tmp_path / "cut", *extra), resume=True)
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]  # noqa: E731
     assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
+
+
+def test_a_reward_model_and_a_teacher_on_workers_of_their_own_score_as_in_one_process(session, tiny_model, tmp_path):
+    """placement.reward_workers and teacher_workers: the reward model and the distillation teacher on Ray workers
+    of their own beside a colocated worker give step 1 the rewards and the reverse KL that one process gives (the
+    same samples: the same seed), with the reward model's and the teacher's figures logged."""
+    from conftest import save_tiny_model
+    from train.test_reward_model import save_classifier
+
+    classifier, teacher = save_classifier(tmp_path / "rm"), save_tiny_model(tmp_path / "teacher", seed=1)
+    models = [f"algo.distill.teacher={teacher}", "run.steps=2", "run.save_every=0", "run.eval_every=0",
+              f"rewards=[{{name: arithmetic_exact, weight: 0}}, {{name: model, path: '{classifier}'}}]"]
+    train(small_config(tiny_model, tmp_path / "one", *models, "placement.backend=local"))
+    train(small_config(tiny_model, tmp_path / "ray", *models, "placement.reward_workers=1",
+                       "placement.teacher_workers=1"))
+    one, ray = (next(r for r in read_metrics(tmp_path / d) if r["step"] == 1) for d in ("one", "ray"))
+    for key in ("reward/model", "reward/model/std", "distill/reverse_kl"):
+        assert ray[key] == pytest.approx(one[key], abs=1e-5), key
+    assert abs(ray["distill/reverse_kl"]) > 1e-3 and ray["reward/model/std"] > 0  # the models score something
+    assert ray["time/teacher"] > 0 and ray["reward_model/model/batches"] >= 1
