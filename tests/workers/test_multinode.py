@@ -116,14 +116,29 @@ def _reserved(state, node: str, which: str = "available") -> dict[str, float]:
 
 
 def _listening() -> set[int]:
-    """TCP ports some process of this machine listens on (a bind test would also trip on the port's reuse by an
-    outgoing connection: it is an ephemeral one)."""
+    """TCP ports this process or one of its descendants (the run's, the cluster's) listens on. Not a bind test,
+    which would also trip on the port's reuse by an outgoing connection (it is an ephemeral one); not every
+    listener of the machine, which may be another program's that drew the same ephemeral port (seen once, with a
+    vLLM experiment running beside the suite)."""
+    sockets = set()
+    for pid in [os.getpid()] + [p for p, _ in descendants()]:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue  # gone meanwhile
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue  # closed meanwhile (the listing's own descriptor among them)
+            if link.startswith("socket:["):
+                sockets.add(link[8:-1])
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
-            local, _, state = line.split()[1:4]
-            if state == "0A":  # LISTEN
-                ports.add(int(local.rsplit(":", 1)[1], 16))
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in sockets:  # LISTEN, held by one of them
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
 
 
