@@ -43,9 +43,9 @@ def attach_images(rows: list[dict], image_field: str, folder: Path | None, max_p
     that a chat template sees text as it always has."""
     for i, row in enumerate(rows, 1):
         at = row_at(source, row, i)
-        images = row_images(row, image_field, folder, at, i)
+        images = _row_images(row, image_field, folder, at, i)
         for k, image in enumerate(images):
-            _check_pixels(image, k, at, max_pixels)
+            _check_image(image, k, at, max_pixels)
         _check_placeholders(row, len(images), image_field, at)
         if images:
             row["_images"] = images
@@ -53,8 +53,9 @@ def attach_images(rows: list[dict], image_field: str, folder: Path | None, max_p
             row["_messages"] = [dict(m, content=content_text(m["content"])) for m in row["_messages"]]
 
 
-def row_images(row: dict, image_field: str, folder: Path | None, at: str, i: int) -> list[Image]:
-    """The row's images under `image_field` (a list of them, or one), each read; none where the field is absent."""
+def _row_images(row: dict, image_field: str, folder: Path | None, at: str, i: int) -> list[Image]:
+    """The row's images under `image_field` (a list of them, or one), each read (`attach_images` checks them);
+    none where the field is absent."""
     items = row.get(image_field)
     if items is None:
         return []
@@ -73,17 +74,11 @@ def _read_item(item, k: int, folder: Path | None, at: str, label: str) -> Image:
     if isinstance(item, PILImage.Image):
         return Image(f"{label} image {k}", _png(item))
     if isinstance(item, (bytes, bytearray, memoryview)):
-        image = Image(f"{label} image {k}", bytes(item))
-    elif isinstance(item, str):
-        image = Image(item, _read_file(item, k, folder, at))
-    else:
-        raise DataError(f"{at}: image {k} is a {type(item).__name__}; an image is {ITEM_KINDS}")
-    try:
-        image.size  # noqa: B018  (PIL identifies the file from its header)
-    except (OSError, PILImage.DecompressionBombError) as exc:
-        raise DataError(f"{at}: image {k} ({image.name}) is no image PIL can read ({exc}); give a whole PNG, JPEG, "
-                        "... file (a repository cloned without git-lfs holds pointers instead of its images)") from None
-    return image
+        return Image(f"{label} image {k}", bytes(item))
+    if isinstance(item, str):
+        return Image(item, _read_file(item, k, folder, at))
+    raise DataError(f"{at}: image {k} is a {type(item).__name__}; an image is {ITEM_KINDS} (a field that holds "
+                    "something else: set data.image_field to the field holding the images)")
 
 
 def _png(image: PILImage.Image) -> bytes:
@@ -115,14 +110,19 @@ def _read_file(path: str, k: int, folder: Path | None, at: str) -> bytes:
     return file.read_bytes()
 
 
-def _check_pixels(image: Image, k: int, at: str, max_pixels: int) -> None:
-    width, height = image.size
+def _check_image(image: Image, k: int, at: str, max_pixels: int) -> None:
+    """An image PIL identifies (from its header), within `max_pixels`."""
+    try:
+        width, height = image.size
+    except (OSError, PILImage.DecompressionBombError) as exc:
+        raise DataError(f"{at}: image {k} ({image.name}) is no image PIL can read ({exc}); give a whole PNG, JPEG, "
+                        "... file (a repository cloned without git-lfs holds pointers instead of its images)") from None
     if width * height > max_pixels:
         raise DataError(f"{at}: image {k} ({image.name}) is {width}x{height} = {width * height} pixels, over "
                         f"data.max_pixels={max_pixels}; resize the images, or raise data.max_pixels")
 
 
-def placeholders(prompt: str | list[dict]) -> int:
+def _placeholders(prompt: str | list[dict]) -> int:
     """How many images a prompt refers to: `<image>` markers in text (a text prompt, chat text parts, chat text
     contents) and `{"type": "image"}` chat content parts."""
     if isinstance(prompt, str):
@@ -147,15 +147,15 @@ def parts_problem(content: list) -> str:
     for j, part in enumerate(content, 1):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in PART_TYPES:
-            return (f"content part {j} {part!r}" if kind is None else f"content part {j} of type {kind!r}") + \
-                f" (tandem reads parts of type {' and '.join(PART_TYPES)})"
+            what = f"content part {j} {part!r}" if kind is None else f"content part {j} of type {kind!r}"
+            return f"{what} (tandem reads parts of type {' and '.join(PART_TYPES)})"
         if kind == "text" and not isinstance(part.get("text"), str):
             return f"text part {j} with no string 'text'"
     return ""
 
 
 def _check_placeholders(row: dict, count: int, image_field: str, at: str) -> None:
-    wanted = placeholders(row.get("_messages") or row["question"])
+    wanted = _placeholders(row.get("_messages") or row["question"])
     if wanted == count:
         return
     how = f"one `{IMAGE_TOKEN}` in the text, or one {{'type': 'image'}} chat content part, per image, in order"
