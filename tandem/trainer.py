@@ -364,8 +364,10 @@ def _check_before_loading(cfg: Config) -> None:
 
 
 def _prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
-    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is)."""
-    return load_prompts(cfg.data, load_tokenizer(cfg.model.path, cfg.model.trust_remote_code))
+    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is); rows
+    with images refused, before any model loads."""
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    return load_prompts(cfg.data, tokenizer, cfg.model.path)
 
 
 def _refuse_nothing_to_train(cfg: Config, last: Path) -> None:

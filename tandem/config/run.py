@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tandem.config.base import ConfigError, Section, suggest
 from tandem.config.trackers import TRACKERS, missing
@@ -151,8 +151,27 @@ class DataConfig(Section):
         "held-out split is `path`'s, of `subset`.",
     )
     prompt_field: str = Field(
-        "question", description="Row field holding the prompt: text, or chat messages (a list of `{role, content}`) "
-        "that are rendered with the tokenizer's chat template whatever `chat_template` says.",
+        "question", description="Row field holding the prompt: text, or chat messages (a list of `{role, content}`, "
+        "a content being text or a list of `{type: text, text}` and `{type: image}` parts) that are rendered with "
+        "the tokenizer's chat template whatever `chat_template` says.",
+    )
+    image_field: str = Field(
+        "images", min_length=1, description="Row field holding the row's images (a list, or one): each a path "
+        "(relative to the data file's folder, or to a dataset folder; or absolute), bytes, a `{bytes, path}` dict "
+        "(a `datasets` Image feature) or a PIL image. Their number must equal the prompt's placeholders (`<image>` "
+        "in text, `{type: image}` chat content parts). Each is read and checked before any model loads; rows with "
+        "images are then refused, naming the first: tandem trains text-only models so far (issue 47).",
+    )
+    max_pixels: int = Field(
+        12845056, ge=1, description="The most pixels (width x height) an image may have; a row with a bigger one is "
+        "refused, naming its size (resize the images, or raise this). With `min_pixels`, it will go to the image "
+        "processor and to the engine alike, so that trainer and sampler resize images identically (issue 47). "
+        "12845056 (16384 x 28 x 28, a 3584 x 3584 image) is Qwen2-VL's processor default: counting and geometry "
+        "datasets' images (CLEVR's are 480 x 320) are far below it.",
+    )
+    min_pixels: int = Field(
+        0, ge=0, description="The fewest pixels the image processor resizes an image up to, for it and the engine "
+        "alike (as `max_pixels`); a smaller image is not refused. 0: the processor's own default.",
     )
     answer_field: str = Field("answer", description="Row field holding the reference answer.")
     chat_template: bool = Field(
@@ -171,3 +190,10 @@ class DataConfig(Section):
         "dropping rows silently changes the data). `skip` drops it and logs how many were dropped and their lines.",
     )
     eval_size: int = Field(500, ge=1, description="Held-out prompts scored at each evaluation.")
+
+    @model_validator(mode="after")
+    def _pixel_range(self) -> "DataConfig":
+        if self.min_pixels > self.max_pixels:
+            raise ConfigError(f"data.min_pixels: {self.min_pixels} is above data.max_pixels: {self.max_pixels}; "
+                              "lower min_pixels or raise max_pixels")
+        return self

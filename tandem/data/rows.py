@@ -46,6 +46,13 @@ class Source:
         subset = f"subset {self.subset!r}, " if self.subset else ""
         return f"{self.path} ({subset}split {split!r})"
 
+    @property
+    def folder(self) -> Path | None:
+        """What a row's relative file paths (its images) are relative to: a data file's folder, a dataset folder
+        itself; None for a Hugging Face dataset id, which has no folder here."""
+        path = Path(self.path).expanduser().absolute()
+        return path.parent if path.is_file() else path if path.is_dir() else None
+
     def check_split(self, split: str, setting: str) -> None:
         """Refuse a split the source lacks, naming the ones it has."""
         if split not in self.splits:
@@ -100,8 +107,18 @@ def source_rows(source: Source, split: str, prompt_field: str, answer_field: str
 
 
 def _indexed(dataset) -> list[dict]:
-    """A `datasets.Dataset`'s rows, each with its index (`_row`, as `dataset[i]`) for messages."""
-    return [dict(row, _row=i) for i, row in enumerate(dataset)]
+    """A `datasets.Dataset`'s rows, each with its index (`_row`, as `dataset[i]`) for messages. Images stay as the
+    table holds them, `{"bytes", "path"}` (tandem.data.images reads them without decoding every pixel)."""
+    rows = dataset.with_format("arrow")[:].to_pylist() if _holds_images(dataset) else dataset
+    return [dict(row, _row=i) for i, row in enumerate(rows)]
+
+
+def _holds_images(dataset) -> bool:
+    """Whether a column is an Image feature, or a list of them (what `datasets` decodes to PIL row by row)."""
+    from datasets import Image
+
+    return any(isinstance(f, Image) or isinstance(getattr(f, "feature", None), Image)
+               for f in dataset.features.values())
 
 
 def _parquet_rows(path: Path) -> list[dict]:

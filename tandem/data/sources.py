@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.data import arithmetic, multiply
+from tandem.data.images import attach_images, content_text, parts_problem, refuse_image_rows
 from tandem.data.rows import DataError, Source, open_source, read_rows, row_at, source_rows
 
 if TYPE_CHECKING:
@@ -51,8 +52,11 @@ def task_rows(d: DataConfig) -> TaskRows:
 
 
 def _shaped(d: DataConfig, source: Source, split: str) -> list[dict]:
-    return shape_rows(d.task, source_rows(source, split, d.prompt_field, d.answer_field), d.prompt_field,
+    """The split's rows shaped for the task, their images (`data.image_field`) read and checked."""
+    rows = shape_rows(d.task, source_rows(source, split, d.prompt_field, d.answer_field), d.prompt_field,
                       d.answer_field, source.name(split))
+    attach_images(rows, d.image_field, source.folder, d.max_pixels, source.name(split))
+    return rows
 
 
 def _held_out(d: DataConfig, train: Source) -> tuple[Source, str] | None:
@@ -91,9 +95,12 @@ def _refuse_eval_split(d: DataConfig, setting: str) -> None:
                         f"splits; remove data.eval_split{'' if d.eval_path else ', or set data.eval_path'}")
 
 
-def load_prompts(d: DataConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
-    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is)."""
+def load_prompts(d: DataConfig, tokenizer, model_path: str = "") -> tuple[list[Prompt], list[Prompt]]:
+    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is).
+    Rows with images are refused (tandem trains text-only models); `model_path` says whether the model is one."""
     rows = task_rows(d)
+    refuse_image_rows(rows.train, rows.train_source, d.image_field, model_path)
+    refuse_image_rows(rows.held or [], rows.held_source, d.image_field, model_path)
     train = tokenize_rows(rows.train, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens,
                           rows.train_source, d.overlong_prompts)
     if rows.held is None:
@@ -138,7 +145,7 @@ def shape_rows(task: str, rows: list[dict], prompt_field: str, answer_field: str
                                 f"of chat messages ({{'role', 'content'}} dicts), got {problem}; set "
                                 "data.prompt_field to the field holding the prompt")
             row["_messages"] = prompt
-            row["question"] = next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+            row["question"] = next((content_text(m["content"]) for m in reversed(prompt) if m["role"] == "user"), "")
         row["answer"] = r[answer_field]
         limit = r.get("max_new_tokens")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
@@ -156,8 +163,8 @@ def shape_rows(task: str, rows: list[dict], prompt_field: str, answer_field: str
 
 
 def messages_problem(value) -> str:
-    """What keeps `value` from being chat messages (a non-empty list of dicts with string role and content),
-    said as the error's `got ...`; empty if they are."""
+    """What keeps `value` from being chat messages (a non-empty list of dicts with a string role, and a content
+    that is a string or a list of text and image parts), said as the error's `got ...`; empty if they are."""
     if not isinstance(value, list):
         return type(value).__name__
     if not value:
@@ -165,9 +172,15 @@ def messages_problem(value) -> str:
     for i, m in enumerate(value, 1):
         if not isinstance(m, dict):
             return f"a list holding {type(m).__name__}"
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                return f"a list whose message {i} has no string {key!r}"
+        if not isinstance(m.get("role"), str):
+            return f"a list whose message {i} has no string 'role'"
+        content = m.get("content")
+        if isinstance(content, list):
+            problem = parts_problem(content)
+            if problem:
+                return f"a list whose message {i} has {problem}"
+        elif not isinstance(content, str):
+            return f"a list whose message {i} has no string 'content' (nor a list of content parts)"
     return ""
 
 

@@ -107,8 +107,8 @@ def test_chat_messages_go_through_the_chat_template(tmp_path, tiny_model, chat_m
 @pytest.mark.parametrize("value, got", [
     (["1+1=", "2+2="], r"a list holding str"),
     ([{"role": "user"}], r"a list whose message 1 has no string 'content'"),
-    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-     r"a list whose message 1 has no string 'content'"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x.png"}]}],
+     r"a list whose message 1 has content part 1 of type 'image_url' \(tandem reads parts of type text and image\)"),
     ([], r"an empty list"),
     (12, r"int"),
     ({"role": "user", "content": "hi"}, r"dict"),
