@@ -13,7 +13,7 @@ from tandem.algo import ADVANTAGES
 from tandem.architectures import check_supported
 from tandem.config import Config, ConfigError
 from tandem.data.sources import Prompt, PromptStream, load_prompts
-from tandem.data.vision import VisionPrompts
+from tandem.run.vision import VisionPrompts
 from tandem.modeling import check_model_folder, check_same_tokenizer, is_vision_model, load_processor, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.rollout import Samples, judge
@@ -403,7 +403,7 @@ def _prompts(cfg: Config, vision: VisionPrompts | None = None) -> tuple[list[Pro
     any model loads: with a vision-language model's `vision`, rendered by its processor; without, rows with images
     refused."""
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    return load_prompts(cfg.data, tokenizer, cfg.model.path, vision)
+    return load_prompts(cfg.data, tokenizer, cfg.model.path, None if vision is None else vision.ids)
 
 
 def _refuse_nothing_to_train(cfg: Config, last: Path) -> None:

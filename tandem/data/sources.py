@@ -5,12 +5,11 @@ import logging
 import random
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from tandem.data import arithmetic, colors, multiply
 from tandem.data.images import attach_images, content_text, parts_problem, refuse_image_rows
 from tandem.data.rows import DataError, Source, open_source, read_rows, row_at, source_rows
-from tandem.data.vision import VisionPrompts
 
 if TYPE_CHECKING:
     from tandem.config import DataConfig
@@ -101,16 +100,17 @@ def _refuse_eval_split(d: DataConfig, setting: str) -> None:
 
 
 def load_prompts(d: DataConfig, tokenizer, model_path: str = "",
-                 vision: VisionPrompts | None = None) -> tuple[list[Prompt], list[Prompt]]:
+                 render: Callable[[dict], list[int]] | None = None) -> tuple[list[Prompt], list[Prompt]]:
     """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is).
-    `vision`: a vision-language model's processor renders every row, its images expanded into their tokens;
-    without it rows with images are refused (`model_path` says whether the model is text-only)."""
+    `render`: a vision-language model's row -> ids (`tandem.run.vision.VisionPrompts.ids`: its processor, each image
+    expanded into its tokens); without it rows with images are refused (`model_path` says whether the model is
+    text-only)."""
     rows = task_rows(d)
-    if vision is None:
+    if render is None:
         refuse_image_rows(rows.train, rows.train_source, d.image_field, model_path)
         refuse_image_rows(rows.held or [], rows.held_source, d.image_field, model_path)
     train = tokenize_rows(rows.train, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens,
-                          rows.train_source, d.overlong_prompts, vision)
+                          rows.train_source, d.overlong_prompts, render)
     if rows.held is None:
         log.warning("no held-out data: data.eval_path is empty and data.path %r has no %s split besides the one "
                     "trained on; evaluating on the first %d training prompts, which measures memorization as much as "
@@ -119,7 +119,7 @@ def load_prompts(d: DataConfig, tokenizer, model_path: str = "",
     if d.task not in BUILT_IN_TASKS:
         log.info("held-out prompts: %s", rows.held_source)
     return train, tokenize_rows(rows.held[: d.eval_size], tokenizer, d.chat_template, d.system_prompt,
-                                d.max_prompt_tokens, rows.held_source, d.overlong_prompts, vision)
+                                d.max_prompt_tokens, rows.held_source, d.overlong_prompts, render)
 
 
 def gsm8k_final_answer(answer_text: str) -> str:
@@ -219,14 +219,15 @@ class Prompt:
 
 
 def tokenize_rows(rows: list[dict], tokenizer, chat_template: bool, system_prompt: str, max_tokens: int,
-                  source: str, overlong: str = "error", vision: VisionPrompts | None = None) -> list[Prompt]:
-    """Each row's prompt ids (with `vision`, as the model's processor gives them, images expanded). A prompt over
-    `max_tokens` is refused (`overlong="error"`) or dropped and counted in one warning (`"skip"`)."""
+                  source: str, overlong: str = "error",
+                  render: Callable[[dict], list[int]] | None = None) -> list[Prompt]:
+    """Each row's prompt ids (with `render`, a vision-language model's: images expanded). A prompt over `max_tokens`
+    is refused (`overlong="error"`) or dropped and counted in one warning (`"skip"`)."""
     prompts, skipped = [], []
     for i, row in enumerate(rows, 1):
         at = row_at(source, row, i)
         try:
-            ids = vision.ids(row) if vision is not None else \
+            ids = render(row) if render is not None else \
                 render_prompt(tokenizer, row.get("_messages") or row["question"], chat_template, system_prompt)
         except DataError as exc:
             raise DataError(f"{at}: {exc}") from None

@@ -12,7 +12,7 @@ import torch
 from tandem.algo import first_k_groups, nonzero_variance_groups, overlong_penalty
 from tandem.config import Config
 from tandem.data.sources import Prompt, PromptStream
-from tandem.data.vision import VisionPrompts
+from tandem.run.vision import VisionPrompts
 from tandem.rewards import RewardScorer
 from tandem.rollout import Rollout, Samples, Sampling
 from tandem.rollout.multiturn import conversation_stats

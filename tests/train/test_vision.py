@@ -14,7 +14,7 @@ from PIL import Image as PILImage
 
 from tandem.data.images import Image
 from tandem.data.sources import Prompt
-from tandem.data.vision import VisionPrompts
+from tandem.run.vision import VisionPrompts
 from tandem.modeling import load_causal_lm, load_processor
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine
