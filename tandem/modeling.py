@@ -151,14 +151,33 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tok
 
 
+def is_vision_model(path: str | Path) -> bool:
+    """Whether the checkpoint is a vision-language model (its config.json has a vision_config): it loads as an
+    image-text-to-text model, with a processor for its images."""
+    try:
+        return "vision_config" in read_json(Path(path) / "config.json")
+    except (OSError, ValueError):
+        return False
+
+
+def load_processor(path: str | Path, trust_remote_code: bool = False):
+    """A vision-language model's processor (its image processor and tokenizer), from its folder."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
+    """The model that writes the completions: a causal LM, or a vision-language model (`is_vision_model`) as its
+    image-text-to-text class, which takes the images' tensors beside the ids."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     check_model_files(Path(path))  # transformers' own errors about these files seldom name the file
     hf_logging.disable_progress_bar()  # one bar per load drowns the run's own progress
 
-    model = AutoModelForCausalLM.from_pretrained(
+    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+    model = auto.from_pretrained(
         str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
         attn_implementation=_attention(path, trust_remote_code),
     )

@@ -7,6 +7,32 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True, eq=False)
+class Images:
+    """A prompt's images as its model takes them: the processor's tensors for this prompt alone (Idefics3:
+    `pixel_values` [1, tiles, 3, H, W] and `pixel_attention_mask` [1, tiles, H, W]). Every row of a group holds the
+    same object, so it travels once per group (pickle keeps one copy of an object held several times)."""
+
+    key: str  # a hash of the images' files: two prompts with the same ids and other pictures differ by it
+    names: tuple[str, ...]  # what samples files show: the images' paths, or `row <i> image <k>`
+    tensors: dict[str, torch.Tensor]
+
+
+def batch_images(images: list[Images]) -> dict[str, torch.Tensor]:
+    """One forward's image arguments from prompts' own tensors, in row order: each prompt's tiles concatenated into
+    one batch entry (padded to the largest tile), which the model's image merge reads in row-major order, the order
+    of the image tokens in the rows (no image is padded across prompts)."""
+    if not images:
+        return {}
+    height = max(im.tensors["pixel_values"].shape[-2] for im in images)
+    width = max(im.tensors["pixel_values"].shape[-1] for im in images)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1], 0, height - t.shape[-2]))
+
+    return {name: torch.cat([padded(im.tensors[name]) for im in images], dim=1) for name in images[0].tensors}
+
+
 @dataclass
 class Completion:
     """One sampled answer. Token ids are the truth: training never re-tokenizes `text`."""
@@ -31,6 +57,8 @@ class Completion:
     # Distillation on teacher workers of its own (placement.teacher_workers): the teacher's logprob of each completion
     # token, scored between sampling and training. None: not scored there (the trainers score it, or no teacher).
     teacher_logprobs: list[float] | None = None
+    # A vision-language model's prompt images (the group's one `Images`); None: a text prompt.
+    images: Images | None = None
 
     @property
     def sampled_tokens(self) -> int:

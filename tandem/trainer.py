@@ -13,9 +13,10 @@ from tandem.algo import ADVANTAGES
 from tandem.architectures import check_supported
 from tandem.config import Config, ConfigError
 from tandem.data.sources import Prompt, PromptStream, load_prompts
-from tandem.modeling import check_model_folder, check_same_tokenizer, load_tokenizer
+from tandem.run.vision import VisionPrompts
+from tandem.modeling import check_model_folder, check_same_tokenizer, is_vision_model, load_processor, load_tokenizer
 from tandem.rewards import RewardScorer
-from tandem.rollout import judge
+from tandem.rollout import Samples, judge
 from tandem.run import checkpoint
 from tandem.run.card import model_card
 from tandem.run.directory import RunLock, Start, claim
@@ -259,7 +260,10 @@ def run_eval(run: Run) -> dict[str, float]:
     """The held-out evaluation with the policy's current weights, sampled as the run samples (`sampling_for`): its
     figures as logged (`eval/...`); the whole evaluation is kept as `run.last_eval`."""
     cfg = run.cfg
-    run.last_eval = evaluate(lambda ids, sampling: run.workers.generate(ids, sampling).samples, run.eval_prompts,
+    def generate(prompts: list[Prompt], sampling) -> Samples:
+        return run.workers.generate([p.ids for p in prompts], sampling, run.source.images(prompts)).samples
+
+    run.last_eval = evaluate(generate, run.eval_prompts,
                              run.scorer, run.correct_reward, sampling_for(cfg, cfg.run.seed), k=cfg.eval.k,
                              temperature=cfg.eval.temperature, task=cfg.data.task)
     return {f"eval/{k}": v for k, v in run.last_eval.figures.items()}
@@ -299,7 +303,8 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
     (`resume` / `start`), or a `tandem.run.directory.Start`. `claim_output_dir=False` (evaluation) neither locks nor
     reads run.output_dir. `stop`: the run's stop signals (default: ones that never fire)."""
     _check_before_loading(cfg)
-    train_prompts, eval_prompts = _prompts(cfg)
+    vision = _vision(cfg)
+    train_prompts, eval_prompts = _prompts(cfg, vision)
     stop = stop or StopSignals()
     with ExitStack() as undo:  # what a start that fails before the run exists must close again
         lock, last = None, None
@@ -319,7 +324,7 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
         stream = PromptStream(train_prompts, cfg.run.seed)
         start_step = 0 if last is None else _resume(cfg, workers, stream, last)
         correct = cfg.rewards[0].name
-        source = RolloutSource(cfg, stream, workers, scorer, correct, start_step, stop.check)
+        source = RolloutSource(cfg, stream, workers, scorer, correct, start_step, stop.check, vision)
         run = Run(cfg, workers, source, scorer, correct, eval_prompts, start_step, last is not None, lock, stop)
         undo.pop_all()
     return run
@@ -353,6 +358,7 @@ def _check_before_loading(cfg: Config) -> None:
         check_same_tokenizer(cfg.model.path, cfg.algo.distill.teacher, "algo.distill.teacher",
                              cfg.model.trust_remote_code)
     check_supported(cfg)
+    _check_vision(cfg)
     placement.check_devices(cfg)
     lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)
     reward_model.check(cfg.rewards)
@@ -363,11 +369,41 @@ def _check_before_loading(cfg: Config) -> None:
         make_environment(cfg.env.name, **cfg.env.kwargs)
 
 
-def _prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
-    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is); rows
-    with images refused, before any model loads."""
+def _check_vision(cfg: Config) -> None:
+    """A vision-language model runs so far where its images are carried (issue 47): the hf engine in one process,
+    sampling and training in turn; refuse the rest, naming the setting."""
+    if not is_vision_model(cfg.model.path):
+        return
+    config = (Path(cfg.model.path).expanduser() / "config.json").read_text()
+    wants = [what for what, on in (
+        (f"rollout.engine: {cfg.rollout.engine} (use hf)", cfg.rollout.engine != "hf"),
+        (f"placement.backend: {cfg.placement.backend} (use local)", cfg.placement.backend != "local"),
+        (f"placement.schedule: {cfg.placement.schedule} (use sync)", cfg.placement.schedule != "sync"),
+        (f"env.name: {cfg.env.name} (multi-turn)", bool(cfg.env.name)),
+        ("lora.enabled", cfg.lora.enabled),
+        ("algo.distill.teacher", bool(cfg.algo.distill.teacher)),
+        ("a model with 3-D rotary positions (mrope_section in config.json: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)",
+         "mrope_section" in config)) if on]
+    if wants:
+        raise ConfigError(f"model.path {cfg.model.path!r} is a vision-language model, which tandem trains so far with "
+                          "rollout.engine: hf in one process (placement.backend: local, schedule: sync); not yet with "
+                          f"{'; '.join(wants)} (issue 47)")
+
+
+def _vision(cfg: Config) -> VisionPrompts | None:
+    """A vision-language model's prompt renderer (its processor), or None for a text-only model."""
+    if not is_vision_model(cfg.model.path):
+        return None
+    processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
+    return VisionPrompts(processor, cfg.data.chat_template, cfg.data.system_prompt)
+
+
+def _prompts(cfg: Config, vision: VisionPrompts | None = None) -> tuple[list[Prompt], list[Prompt]]:
+    """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is), before
+    any model loads: with a vision-language model's `vision`, rendered by its processor; without, rows with images
+    refused."""
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    return load_prompts(cfg.data, tokenizer, cfg.model.path)
+    return load_prompts(cfg.data, tokenizer, cfg.model.path, None if vision is None else vision.ids)
 
 
 def _refuse_nothing_to_train(cfg: Config, last: Path) -> None:

@@ -111,9 +111,10 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic", "multiply", "gsm8k", "jsonl"] = Field(
+    task: Literal["arithmetic", "multiply", "colors", "gsm8k", "jsonl"] = Field(
         "arithmetic", description="`arithmetic`: the built-in demo task (generated, no files). `multiply`: 3-4 digit "
-        "products, the tool demo's task (examples/tools.yaml: a calculator makes it solvable). `gsm8k`: the official "
+        "products, the tool demo's task (examples/tools.yaml: a calculator makes it solvable). `colors`: the vision "
+        "demo's task, the colour of a shape in a picture rendered here (examples/vision.yaml). `gsm8k`: the official "
         "GSM8K data in `path` (question / answer after ####): the jsonl files, or `openai/gsm8k` with `subset: main`. "
         "`jsonl`: rows from any source `path` takes, with `prompt_field` and `answer_field`.",
     )

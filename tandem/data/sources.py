@@ -5,9 +5,9 @@ import logging
 import random
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from tandem.data import arithmetic, multiply
+from tandem.data import arithmetic, colors, multiply
 from tandem.data.images import attach_images, content_text, parts_problem, refuse_image_rows
 from tandem.data.rows import DataError, Source, open_source, read_rows, row_at, source_rows
 
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.data")
 
 GSM8K_INSTRUCTION = "Solve the problem. Put the final numeric answer after '####'."
-BUILT_IN_TASKS = {"arithmetic": arithmetic.rows, "multiply": multiply.rows}  # generated, with a held-out split
+# generated, with a held-out split
+BUILT_IN_TASKS = {"arithmetic": arithmetic.rows, "multiply": multiply.rows, "colors": colors.rows}
 HELD_OUT_SPLITS = ("test", "validation")  # where a dataset's held-out rows are, in the order they are looked for
 
 
@@ -36,7 +37,10 @@ def task_rows(d: DataConfig) -> TaskRows:
     `data.path`'s `eval_split` (empty: its test, else validation split), else none. Every setting is checked
     against what the data has (splits, subsets) before a row is read."""
     if d.task in BUILT_IN_TASKS:
-        return TaskRows(BUILT_IN_TASKS[d.task]("train"), d.task, BUILT_IN_TASKS[d.task]("test"), d.task)
+        train, held = BUILT_IN_TASKS[d.task]("train"), BUILT_IN_TASKS[d.task]("test")
+        for rows in (train, held):  # the colors task's images, as a file's would be (bytes: no folder needed)
+            attach_images(rows, "images", None, d.max_pixels, d.task)
+        return TaskRows(train, d.task, held, d.task)
     source = open_source(d.path, d.subset, "data.path")
     if source.splits:
         source.check_split(d.split, "data.split")
@@ -95,14 +99,18 @@ def _refuse_eval_split(d: DataConfig, setting: str) -> None:
                         f"splits; remove data.eval_split{'' if d.eval_path else ', or set data.eval_path'}")
 
 
-def load_prompts(d: DataConfig, tokenizer, model_path: str = "") -> tuple[list[Prompt], list[Prompt]]:
+def load_prompts(d: DataConfig, tokenizer, model_path: str = "",
+                 render: Callable[[dict], list[int]] | None = None) -> tuple[list[Prompt], list[Prompt]]:
     """The training prompts and the held-out ones, tokenized and checked (a bad row is named by where it is).
-    Rows with images are refused (tandem trains text-only models); `model_path` says whether the model is one."""
+    `render`: a vision-language model's row -> ids (`tandem.run.vision.VisionPrompts.ids`: its processor, each image
+    expanded into its tokens); without it rows with images are refused (`model_path` says whether the model is
+    text-only)."""
     rows = task_rows(d)
-    refuse_image_rows(rows.train, rows.train_source, d.image_field, model_path)
-    refuse_image_rows(rows.held or [], rows.held_source, d.image_field, model_path)
+    if render is None:
+        refuse_image_rows(rows.train, rows.train_source, d.image_field, model_path)
+        refuse_image_rows(rows.held or [], rows.held_source, d.image_field, model_path)
     train = tokenize_rows(rows.train, tokenizer, d.chat_template, d.system_prompt, d.max_prompt_tokens,
-                          rows.train_source, d.overlong_prompts)
+                          rows.train_source, d.overlong_prompts, render)
     if rows.held is None:
         log.warning("no held-out data: data.eval_path is empty and data.path %r has no %s split besides the one "
                     "trained on; evaluating on the first %d training prompts, which measures memorization as much as "
@@ -111,7 +119,7 @@ def load_prompts(d: DataConfig, tokenizer, model_path: str = "") -> tuple[list[P
     if d.task not in BUILT_IN_TASKS:
         log.info("held-out prompts: %s", rows.held_source)
     return train, tokenize_rows(rows.held[: d.eval_size], tokenizer, d.chat_template, d.system_prompt,
-                                d.max_prompt_tokens, rows.held_source, d.overlong_prompts)
+                                d.max_prompt_tokens, rows.held_source, d.overlong_prompts, render)
 
 
 def gsm8k_final_answer(answer_text: str) -> str:
@@ -211,14 +219,16 @@ class Prompt:
 
 
 def tokenize_rows(rows: list[dict], tokenizer, chat_template: bool, system_prompt: str, max_tokens: int,
-                  source: str, overlong: str = "error") -> list[Prompt]:
-    """Each row's prompt ids. A prompt over `max_tokens` is refused (`overlong="error"`) or dropped and counted
-    in one warning (`"skip"`)."""
+                  source: str, overlong: str = "error",
+                  render: Callable[[dict], list[int]] | None = None) -> list[Prompt]:
+    """Each row's prompt ids (with `render`, a vision-language model's: images expanded). A prompt over `max_tokens`
+    is refused (`overlong="error"`) or dropped and counted in one warning (`"skip"`)."""
     prompts, skipped = [], []
     for i, row in enumerate(rows, 1):
         at = row_at(source, row, i)
         try:
-            ids = render_prompt(tokenizer, row.get("_messages") or row["question"], chat_template, system_prompt)
+            ids = render(row) if render is not None else \
+                render_prompt(tokenizer, row.get("_messages") or row["question"], chat_template, system_prompt)
         except DataError as exc:
             raise DataError(f"{at}: {exc}") from None
         if not ids:

@@ -75,7 +75,9 @@ class RolloutEngine(Protocol):
     """A generation engine. `hf` (embedded) and `vllm` implement it; the trainer knows nothing else."""
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
-        """Sample `sampling.n` completions for each prompt; results are grouped by prompt, in prompt order."""
+        """Sample `sampling.n` completions for each prompt; results are grouped by prompt, in prompt order. An
+        engine that runs vision-language models also takes `images=`, one `tandem.samples.Images` (or None) per
+        prompt: the `hf` engine so far."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

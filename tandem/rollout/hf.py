@@ -11,6 +11,7 @@ from tandem import moe
 from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
 from tandem.rollout.base import Completion, Sampling
+from tandem.samples import Images, batch_images
 from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
 from tandem.rollout.shared_prompt import SharedPromptDecoder, shares
 
@@ -101,10 +102,13 @@ class HFEngine:
         self.last_sync_bytes = 0
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 images: list[Images | None] | None = None) -> list[Completion]:
         """`sampling.n` completions of each prompt. Draws come from one generator seeded `sampling.seed` (default:
         the engine's seed), or with `sampling.seeds` one per prompt, seeded `seeds[i]`, so that a prompt's samples
-        do not depend on which other prompts share its batch (a placement that spreads prompts over engines)."""
+        do not depend on which other prompts share its batch (a placement that spreads prompts over engines).
+        `images`: a vision-language model's, one per prompt (None: a text prompt): they enter the prefill, which
+        runs each prompt once, so the vision tower runs once per prompt, not once per completion."""
         self._check_awake("generate")
         if not prompts:
             return []
@@ -123,7 +127,7 @@ class HFEngine:
         limits = torch.tensor([sampling.limit(i // n) for i in range(B)], device=dev)
         most = int(limits.max())
         with self._routes_record() as record:  # the experts each position went to (MoE models only)
-            logits, next_pos, step = self._prefill(prompts, n, most)
+            logits, next_pos, step = self._prefill(prompts, n, most, images)
             stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))
             stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
             alive = torch.ones(B, dtype=torch.bool, device=dev)  # rows still sampling (a finished one feeds padding)
@@ -157,19 +161,20 @@ class HFEngine:
         return self._completions(rows, n, tokens, logps, lengths.tolist(), (~alive & ~capped).tolist(), texts,
                                  routes)
 
-    def _prefill(self, prompts: list[list[int]], n: int, most: int):
-        """Each prompt once (a group's n rows share it); the first logits of every row, the rows' next positions,
-        and the decode step `(tokens, positions) -> logits` for up to `most` tokens a row: the model's forward on the
-        prefill's cache copied out to every row, or, where `shared_prompt.shares`, the prompt held once for its
-        group."""
+    def _prefill(self, prompts: list[list[int]], n: int, most: int, images: list[Images | None] | None = None):
+        """Each prompt once (a group's n rows share it), with its images' tensors; the first logits of every row, the
+        rows' next positions, and the decode step `(tokens, positions) -> logits` for up to `most` tokens a row: the
+        model's forward on the prefill's cache copied out to every row, or, where `shared_prompt.shares`, the prompt
+        held once for its group."""
         from transformers import DynamicCache
 
         ids, attn = self._left_padded(prompts)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         next_pos = pos[:, -1].repeat_interleave(n) + 1
         cache = DynamicCache(config=self.model.config)
+        pixels = batch_images([im for im in images or () if im is not None])
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{k: v.to(self.device) for k, v in pixels.items()})
         logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
         del out
         if shares(self.model, n):

@@ -12,6 +12,7 @@ def model_card(state: dict, kind: Kind) -> str:
     """The card of a checkpoint whose trainer state is `state` (its step, resolved config and the latest held-out
     evaluation's figures): base model, task and rewards, algorithm and its settings, steps, metrics, version."""
     from tandem import __version__
+    from tandem.modeling import is_vision_model
 
     cfg, step = state["config"], state["step"]
     run, algo, batch, optim, lora = cfg["run"], cfg["algo"], cfg["batch"], cfg["optim"], cfg["lora"]
@@ -19,8 +20,9 @@ def model_card(state: dict, kind: Kind) -> str:
     rewards = ", ".join(f"`{r['name']}` (weight {r['weight']:g})" for r in cfg["rewards"])
     tags = dict.fromkeys(["tandem", "grpo", "reinforcement-learning", algo["advantage"]]
                          + (["lora"] if lora["enabled"] else []))
+    pipeline = "image-text-to-text" if is_vision_model(base) else "text-generation"
     meta = ["---", f"base_model: {base}", f"library_name: {'peft' if kind == 'adapter' else 'transformers'}",
-            "pipeline_tag: text-generation", "tags:", *(f"- {t}" for t in tags), "---", ""]
+            f"pipeline_tag: {pipeline}", "tags:", *(f"- {t}" for t in tags), "---", ""]
     what = {"full": "The policy's weights (full fine-tuning)",
             "adapter": f"A LoRA adapter (rank {lora['rank']}, alpha {lora['alpha']:g}) in PEFT's format",
             "merged": f"The policy with its LoRA adapter (rank {lora['rank']}) merged into the base (`tandem export`)"}

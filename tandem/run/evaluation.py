@@ -40,11 +40,10 @@ class Evaluation:
 def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_reward: str, sampling: Sampling,
              k: int = 1, temperature: float = 1.0, task: str = "") -> Evaluation:
     """Greedy accuracy, and with `k` > 1 pass@k / mean@k of k samples at `temperature`, both drawn as `sampling`
-    says otherwise (the run's: `sampling_for`). `generate(prompt_ids, sampling) -> Samples` (group = the prompt's
+    says otherwise (the run's: `sampling_for`). `generate(prompts, sampling) -> Samples` (group = the prompt's
     index). A sample is correct when `correct_reward` scores >= 1. A reward that fails scores 0 here as in training,
     and is counted: `reward_errors/<name>[/<kind>]`, over the greedy and the sampled pass. `task`: the task of rows
     that name none."""
-    ids = [p.ids for p in prompts]
     rows = [p.row for p in prompts]
     tasks = [str(r.get("task") or task) for r in rows]
     out: dict[str, float] = {}
@@ -55,12 +54,13 @@ def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_rewa
         for key, n in res.error_counts("reward_errors").items():
             out[key] = out.get(key, 0) + n
         for j, (c, g) in enumerate(zip(comps, of)):
-            samples.append({"prompt_index": g, "task": tasks[g], "question": rows[g]["question"], "kind": kind,
-                            "completion": c.text, "reward": res.total[j],
+            images = {"images": [im.name for im in rows[g]["_images"]]} if rows[g].get("_images") else {}
+            samples.append({"prompt_index": g, "task": tasks[g], "question": rows[g]["question"], **images,
+                            "kind": kind, "completion": c.text, "reward": res.total[j],
                             "scores": {name: s[j] for name, s in res.per_fn.items()}})
         return res
 
-    greedy = generate(ids, dataclasses.replace(sampling, n=1, temperature=0.0)).completions
+    greedy = generate(prompts, dataclasses.replace(sampling, n=1, temperature=0.0)).completions
     res = scored(greedy, list(range(len(prompts))), "greedy")
     out.update(_greedy(res.per_fn[correct_reward], res.total))
     per_reward = {name: _greedy(scores, scores) for name, scores in res.per_fn.items()}
@@ -69,7 +69,7 @@ def evaluate(generate, prompts: list[Prompt], scorer: RewardScorer, correct_rewa
     if any("tool_calls" in c.meta for c in greedy):  # multi-turn: how often the greedy answers use a tool
         out["tool_call_frac"] = sum(c.meta["tool_calls"] > 0 for c in greedy) / len(greedy)
     if k > 1:
-        sampled = generate(ids, dataclasses.replace(sampling, n=k, temperature=temperature))
+        sampled = generate(prompts, dataclasses.replace(sampling, n=k, temperature=temperature))
         of = sampled.group.tolist()
         res = scored(sampled.completions, of, "sampled")
         out.update(_sampled(of, res.per_fn[correct_reward], len(prompts), k))

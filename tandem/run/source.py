@@ -12,6 +12,7 @@ import torch
 from tandem.algo import first_k_groups, nonzero_variance_groups, overlong_penalty
 from tandem.config import Config
 from tandem.data.sources import Prompt, PromptStream
+from tandem.run.vision import VisionPrompts
 from tandem.rewards import RewardScorer
 from tandem.rollout import Rollout, Samples, Sampling
 from tandem.rollout.multiturn import conversation_stats
@@ -50,8 +51,10 @@ class RolloutSource:
     ahead but not trained on, and groups started but not trained on, are sampled again."""
 
     def __init__(self, cfg: Config, stream: PromptStream, workers: Placement, scorer: RewardScorer,
-                 correct_reward: str, start_step: int, check_stop: Callable[[], None]):
+                 correct_reward: str, start_step: int, check_stop: Callable[[], None],
+                 vision: VisionPrompts | None = None):
         self.cfg, self.stream, self.workers, self.scorer = cfg, stream, workers, scorer
+        self.vision = vision  # a vision-language model's: each step's prompts' images, as the model takes them
         self.correct_reward, self.check_stop = correct_reward, check_stop
         pl = cfg.placement
         self.depth = pl.max_staleness if pl.schedule == "async" else 0
@@ -116,7 +119,11 @@ class RolloutSource:
         sampling = sampling_for(self.cfg, step_seed(self.cfg, step, rnd))
         if any("max_new_tokens" in p.row for p in prompts):
             sampling = dataclasses.replace(sampling, max_tokens=tuple(self._limit(p) for p in prompts))
-        return prompts, state, self.workers.submit_generate([p.ids for p in prompts], sampling)
+        return prompts, state, self.workers.submit_generate([p.ids for p in prompts], sampling, self.images(prompts))
+
+    def images(self, prompts: list[Prompt]) -> list | None:
+        """The prompts' images as the model takes them, one per prompt (None: a text-only model's run)."""
+        return None if self.vision is None else [self.vision.images(p) for p in prompts]
 
     def _limit(self, prompt: Prompt) -> int:
         """A prompt's completion limit: its row's `max_new_tokens`, at most rollout.max_new_tokens."""

@@ -9,12 +9,12 @@ a prompt (GRPO's groups) also carries the prompt-once layout (`SharedPrompts`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from tandem import moe
-from tandem.samples import Completion, Samples
+from tandem.samples import Completion, Images, Samples, batch_images
 
 
 @dataclass
@@ -34,13 +34,16 @@ class SharedPrompts:
     inputs_mask: torch.Tensor  # [b, T] 1 on those tokens (the loss mask may drop some; this does not)
     inputs_positions: torch.Tensor  # [b, T]
     buckets: list[tuple[torch.Tensor, int]]  # rows run together and their width: the last `width` columns suffice
+    # a vision-language model's: the distinct prompts' images as one forward takes them (`batch_images`), or empty
+    images: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device) -> "SharedPrompts":
         """Every tensor moved to `device`, in place (no copy where they already are)."""
         for f in fields(self):
-            if f.name != "buckets":
+            if f.name not in ("buckets", "images"):
                 setattr(self, f.name, getattr(self, f.name).to(device))
         self.buckets = [(rows.to(device), width) for rows, width in self.buckets]
+        self.images = {k: v.to(device) for k, v in self.images.items()}
         return self
 
 
@@ -61,6 +64,8 @@ class MicroBatch:
     # input_ids went to [b, L, MoE layers, top_k], and where that is known [b, L] bool (`tandem.moe.batch_routes`)
     routes: torch.Tensor | None = None
     routed: torch.Tensor | None = None
+    # a vision-language model's: every row's prompt images as one forward takes them (`batch_images`), or empty
+    images: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def width(self) -> int:
@@ -73,6 +78,7 @@ class MicroBatch:
             value = getattr(self, f.name)
             if torch.is_tensor(value) or isinstance(value, SharedPrompts):
                 setattr(self, f.name, value.to(device))
+        self.images = {k: v.to(device) for k, v in self.images.items()}
         return self
 
     @property
@@ -144,6 +150,8 @@ def collate(completions: list[Completion], rows: list[int], pad_id: int, share_p
                        dtype=torch.float32).view(len(rows), T)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     mb = MicroBatch(rows, ids, attn, pos, targets, mask.float(), slp)
+    images = [completions[i].images for i in rows]
+    mb.images = batch_images([im for im in images if im is not None])
     if completions[rows[0]].teacher_logprobs is not None:  # scored on the teacher's own workers
         mb.teacher_logprobs = torch.tensor([[0.0] * (T - len(c)) + list(completions[i].teacher_logprobs)
                                             for i, c in zip(rows, outs)], dtype=torch.float32).view(len(rows), T)
@@ -152,7 +160,7 @@ def collate(completions: list[Completion], rows: list[int], pad_id: int, share_p
     if shape is not None:
         mb.routes, mb.routed = moe.batch_routes(routes, list(map(len, seqs)), L, *shape)
     if share_prompts:
-        mb.shared = _shared_prompts(prompts, outs, T, pad_id)
+        mb.shared = _shared_prompts(prompts, outs, T, pad_id, images)
     return mb
 
 
@@ -194,14 +202,24 @@ def length_buckets(widths: list[int], pass_tokens: int | None = None) -> list[tu
     return out[::-1]
 
 
-def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad_id: int) -> SharedPrompts | None:
+def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad_id: int,
+                    images: list[Images | None]) -> SharedPrompts | None:
     """The prompt-once layout of these rows; None when no prompt repeats (nothing to save), nothing is generated,
-    or a prompt is a single token (nothing would be left to run once)."""
-    index: dict[tuple[int, ...], int] = {}
-    of_row = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    if len(index) == len(prompts) or T == 0 or min(map(len, prompts)) < 2:
+    or a prompt is a single token (nothing would be left to run once). A prompt is its ids and its images: two
+    pictures of one size under the same question have the same ids, and are two prompts. Rows with images take this
+    layout even when no prompt repeats: a completion may hold an image placeholder token (a model may sample one),
+    which a forward over the whole row, with the images, would take for an image's place."""
+    index: dict[tuple[tuple[int, ...], str], int] = {}
+    first: dict[int, Images | None] = {}  # each distinct prompt's images
+    of_row = []
+    for p, im in zip(prompts, images):
+        u = index.setdefault((tuple(p), im.key if im is not None else ""), len(index))
+        first.setdefault(u, im)
+        of_row.append(u)
+    repeats = len(index) < len(prompts) or any(im is not None for im in images)
+    if not repeats or T == 0 or min(map(len, prompts)) < 2:
         return None
-    heads = [list(p[:-1]) for p in index]
+    heads = [list(p[:-1]) for p, _ in index]
     ids, attn = _left_pad(heads, max(map(len, heads)), pad_id)
     inputs, mask = _left_pad([p[-1:] + c[:-1] if c else [] for p, c in zip(prompts, outs)], T, pad_id)
     start = T - torch.tensor([len(c) for c in outs])  # each row's first completion column
@@ -211,6 +229,7 @@ def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad
         inputs=inputs, inputs_mask=mask,
         inputs_positions=(plen[:, None] - 1 + torch.arange(T) - start[:, None]).clamp(min=0),
         buckets=[(torch.tensor(rows), width) for rows, width in length_buckets([len(c) for c in outs])],
+        images=batch_images([im for im in first.values() if im is not None]),
     )
 
 

@@ -24,7 +24,7 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     if share_prompts and mb.shared is not None:
         return _shared_prompt_logprobs(model, mb, temperature, with_entropy, entropy_grad)
     out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                use_cache=False, logits_to_keep=mb.width + 1)
+                use_cache=False, logits_to_keep=mb.width + 1, **mb.images)
     return _logprobs(out.logits[:, :-1, :], mb.targets, mb.mask, temperature, with_entropy, entropy_grad)
 
 
@@ -79,9 +79,12 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, t
 
 def shares_prompts(model) -> bool:
     """Architectures whose prompt-once logprobs are tested equal to the full forward's: Llama-family models with
-    full attention everywhere (a sliding-window cache would crop the prompt's keys), and Qwen3.5's hybrid of full
-    attention and Gated DeltaNet (the prompt's recurrent state and convolution window carried to its rows)."""
+    full attention everywhere (a sliding-window cache would crop the prompt's keys), Qwen3.5's hybrid of full
+    attention and Gated DeltaNet (the prompt's recurrent state and convolution window carried to its rows), and a
+    vision-language model around a Llama one (Idefics3: its images enter with the prompt, once)."""
     cfg = model.config
+    if cfg.model_type == "idefics3":
+        cfg = cfg.text_config
     if cfg.model_type == "qwen3_5_text":
         return True
     if cfg.model_type not in ("qwen2", "llama"):
@@ -107,7 +110,7 @@ def _shared_prompt_logprobs(model, mb: MicroBatch, temperature: float, with_entr
     sp, T = mb.shared, mb.width
     prompts = DynamicCache(config=model.config)
     model(input_ids=sp.ids, attention_mask=sp.attention_mask, position_ids=sp.position_ids, past_key_values=prompts,
-          use_cache=True, logits_to_keep=1)
+          use_cache=True, logits_to_keep=1, **sp.images)  # a vision model's images: with the prompts, once
     linear = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in prompts.layers)
     parts, order = [], []
     for rows, width in sp.buckets:

@@ -39,11 +39,15 @@ def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
                         max_num_batched_tokens=v.max_num_batched_tokens or None)
 
 
-def sample_with(cfg: Config, engine) -> Callable[[list[list[int]], Sampling], list[Completion]]:
+def sample_with(cfg: Config, engine) -> Callable[..., list[Completion]]:
     """How a worker samples with its engine: one generate call, or with `env.name` whole conversations (each turn
     answered by the environment, its tokens masked; `tandem.rollout.multiturn`)."""
     if not cfg.env.name:
-        return engine.generate
+        def generate(prompts: list[list[int]], sampling: Sampling, images=None) -> list[Completion]:
+            # only an engine for vision-language models takes images (tandem.rollout.base)
+            return engine.generate(prompts, sampling, images=images) if images else engine.generate(prompts, sampling)
+
+        return generate
     from tandem.modeling import load_tokenizer
     from tandem.rollout.multiturn import TurnLimits, converse
     from tandem.rollout.tools import make_environment
@@ -51,7 +55,8 @@ def sample_with(cfg: Config, engine) -> Callable[[list[list[int]], Sampling], li
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # the trainer's: ids mean the same
     limits = TurnLimits(cfg.env.max_turns, cfg.max_completion_tokens)
     make_env = functools.partial(make_environment, cfg.env.name, **cfg.env.kwargs)
-    return lambda prompts, sampling: converse(engine, tokenizer, prompts, sampling, make_env, limits)
+    # images: refused with env.name before any model loads (tandem.trainer._check_vision)
+    return lambda prompts, sampling, images=None: converse(engine, tokenizer, prompts, sampling, make_env, limits)
 
 
 def server_cores(global_rank: int, cores: int) -> str:
@@ -103,7 +108,8 @@ class RolloutWorker:
         self._stream_error: BaseException | None = None
         self._closing = False
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0) -> Rollout:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0,
+                 images: list | None = None) -> Rollout:
         """Generate with policy version `min_version` or newer: the controller may ask before those weights have
         arrived (their send is already on its way), and the wait counts as idle. Loading staged weights first is
         the only stop-the-world part of asynchronous sampling (`load_seconds`)."""
@@ -119,7 +125,7 @@ class RolloutWorker:
                 self._load(staged)
             loaded = time.perf_counter()
             with self._stream.suspended() if self._stream is not None else contextlib.nullcontext():
-                comps = self.sample(prompts, sampling)
+                comps = self.sample(prompts, sampling, images)
         idle = ready - self._last_end
         self._last_end = time.perf_counter()
         return Rollout(Samples.of_call(comps, len(prompts)), self.version, self._last_end - loaded, idle,

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tandem.config import Config
-from tandem.modeling import load_tokenizer
+from tandem.modeling import is_vision_model, load_processor, load_tokenizer
 from tandem.rollout import Samples
 from tandem.sync.convert import ToCheckpoint
 from tandem.train.batch import MicroBatch, make_micro_batches
@@ -194,8 +194,9 @@ class TrainWorker:
             full = self.policy.full_state_dict()
             if self.ctx.rank == 0:
                 self.policy.model.save_pretrained(folder, state_dict=full, safe_serialization=True)
-        if self.ctx.rank == 0:
-            self.tokenizer.save_pretrained(folder)
+        if self.ctx.rank == 0:  # a vision-language model's processor: its image processor beside the tokenizer
+            (load_processor(self.cfg.model.path, self.cfg.model.trust_remote_code) if is_vision_model(
+                self.cfg.model.path) else self.tokenizer).save_pretrained(folder)
         torch.save(self.policy.state_dict(), Path(folder) / self._optimizer_file())
 
     def restore(self, folder: str) -> None:

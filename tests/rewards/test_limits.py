@@ -143,9 +143,9 @@ def test_a_reward_that_fails_everywhere_stops_the_run_by_name_and_evaluation_cou
 def test_evaluation_counts_reward_errors_by_function_and_kind():
     prompts = [Prompt([1, 2], {"question": "Q1", "target": "x"}), Prompt([3], {"question": "Q2", "target": "x"})]
 
-    def generate(ids, sampling):
-        return Samples.of_call([Completion(list(p), [7], [-1.0], "x", "stop", i) for i, p in enumerate(ids)
-                                for _ in range(sampling.n)], len(ids))
+    def generate(prompts, sampling):
+        return Samples.of_call([Completion(list(p.ids), [7], [-1.0], "x", "stop", i) for i, p in enumerate(prompts)
+                                for _ in range(sampling.n)], len(prompts))
 
     with RewardScorer([("bad_rewards:with_row", 1.0, {}), ("bad_rewards:raises", 1.0, {})], workers=0) as s:
         out = evaluate(generate, prompts, s, "bad_rewards:with_row", Sampling(max_new_tokens=4, seed=0), k=3).figures

@@ -72,9 +72,9 @@ def test_figures_per_reward_and_per_task():
             {"question": "c", "target": "1"}]
     prompts = [Prompt([5 + i], row) for i, row in enumerate(rows)]
 
-    def generate(ids, sampling):
-        return Samples.of_call([Completion(list(p), [7], [-1.0], "1", "stop", i) for i, p in enumerate(ids)
-                                for _ in range(sampling.n)], len(ids))
+    def generate(prompts, sampling):
+        return Samples.of_call([Completion(list(p.ids), [7], [-1.0], "1", "stop", i) for i, p in enumerate(prompts)
+                                for _ in range(sampling.n)], len(prompts))
 
     rewards = [("toy_rewards:matches_target", 1.0, {}), ("toy_rewards:always_one", 0.5, {})]
     with RewardScorer(rewards, workers=0) as scorer:
