@@ -123,6 +123,9 @@ def _nccl_rank(rank: int, world: int, port: int, model: str, out: str, dry: bool
     loss = _update(policy, SPLIT[rank] if world == 2 else None)
     if rank == 0:
         Path(out).write_text(repr(loss))
+    # both ranks leave together, as tests/train/test_parallel.py's do: a rank whose peer had already torn its
+    # process group down aborted once in gloo's teardown (SIGABRT, "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

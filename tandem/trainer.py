@@ -13,7 +13,6 @@ from tandem.algo import ADVANTAGES
 from tandem.architectures import check_supported
 from tandem.config import Config, ConfigError
 from tandem.data.sources import Prompt, PromptStream, load_prompts
-from tandem.run.vision import VisionPrompts
 from tandem.modeling import check_model_folder, check_same_tokenizer, is_vision_model, load_processor, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.rollout import Samples, judge
@@ -25,6 +24,7 @@ from tandem.run.metrics import METRICS_FILE, MetricsLog
 from tandem.run.signals import StopSignals, Stopped
 from tandem.run.trackers import RunInfo, Trackers
 from tandem.run.source import RolloutSource, sampling_for
+from tandem.run.vision import VisionPrompts
 from tandem.train import lora, reward_model
 from tandem.util.rng import rng_state, set_rng_state
 from tandem.workers import models, placement

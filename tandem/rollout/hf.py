@@ -11,9 +11,9 @@ from tandem import moe
 from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
 from tandem.rollout.base import Completion, Sampling
-from tandem.samples import Images, batch_images
 from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
 from tandem.rollout.shared_prompt import SharedPromptDecoder, shares
+from tandem.samples import Images, batch_images
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
