@@ -212,11 +212,12 @@ def _attention(path: str | Path, trust_remote_code: bool) -> str:
 def weightless_model(path: str | Path, trust_remote_code: bool = False):
     """The model in `path` built from its config.json on the meta device: its names and shapes, no memory, no
     weights read (what checks made before any model loads look at)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return auto.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

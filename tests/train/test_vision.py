@@ -156,3 +156,14 @@ def test_a_sampled_image_placeholder_is_trained_on_as_a_token(vlm):
     assert mb.shared is not None
     logp, _ = token_logprobs(load_causal_lm(vlm), mb, 1.0, share_prompts=True)
     assert torch.isfinite(logp).all() and (logp * mb.mask).sum() < 0
+
+
+def test_a_vision_models_weights_are_known_before_it_loads(vlm):
+    """What checks made before any model loads look at (`weightless_model`: names and shapes on the meta device)
+    is the image-text-to-text class, tower included."""
+    from tandem.modeling import weightless_model
+
+    model = weightless_model(vlm)
+    names = [n for n, _ in model.named_parameters()]
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration" and any("vision_model" in n for n in names)
+    assert all(p.device.type == "meta" for p in model.parameters())
