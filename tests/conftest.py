@@ -81,7 +81,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 # Modules that start a vLLM engine in the test process: importing vLLM changes the process it lands in (threads,
 # environment, seeds) for every test after it, so these run after all the others.
 VLLM_IN_PROCESS = {"test_vllm_engine.py", "test_vllm_server.py", "test_sync_guard.py", "test_vllm_lora.py",
-                   "test_vllm_moe.py"}
+                   "test_vllm_moe.py", "test_vllm_vision.py"}
 
 
 def pytest_configure(config) -> None:

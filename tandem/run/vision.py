@@ -68,4 +68,7 @@ class VisionPrompts:
         digest = hashlib.blake2b(digest_size=16)
         for image in row["_images"]:
             digest.update(image.data)
-        return Images(digest.hexdigest(), tuple(image.name for image in row["_images"]), tensors)
+        text = self.text(row.get("_messages") or row["question"])
+        collapsed = self.processor.tokenizer.encode(text, add_special_tokens=False)  # one placeholder per image
+        return Images(digest.hexdigest(), tuple(image.name for image in row["_images"]), tensors,
+                      tuple(image.data for image in row["_images"]), tuple(collapsed))

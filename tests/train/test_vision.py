@@ -104,7 +104,7 @@ def test_a_vision_model_is_refused_where_its_images_are_not_carried_yet(vlm, mon
     monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
     base = [f"model.path={vlm}", "data.task=colors"]
     _check_vision(load_config(None, base))
-    for extra, says in ((["rollout.engine=vllm"], "rollout.engine: vllm"),
+    for extra, says in ((["rollout.engine=vllm", "rollout.vllm.mode=server"], "rollout.vllm.mode: server"),
                         (["placement.backend=ray"], "placement.backend: ray"),
                         (["lora.enabled=true"], "lora.enabled")):
         with pytest.raises(ConfigError, match=f"vision-language model.*{says}"):

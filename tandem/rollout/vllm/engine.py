@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import logging
 import os
@@ -12,6 +13,7 @@ import torch
 
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest
+from tandem.samples import Images
 from tandem.rollout.vllm.process import (_adopted_tp, _keeping_default_group, _ProcessSnapshot,
                                          _release_vllm_globals, _world_initialized, import_vllm, remove_segments,
                                          shared_memory_segments)
@@ -152,9 +154,13 @@ class VLLMEngine:
         if self.asleep:
             raise RuntimeError("VLLMEngine is asleep; call wake() first")
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 images: list[Images | None] | None = None) -> list[Completion]:
+        """`images`: a vision-language model's, one per prompt (None: a text prompt). vLLM runs the model's processor
+        itself, so it gets each image's file and the prompt with ONE placeholder per image, which it expands; the
+        ids it expands them into must be the prompt's (`prompts[i]`, the processor's at load): a prompt sent
+        expanded already would be expanded twice, silently (seen on Qwen2.5-VL, Idefics3, Gemma 3)."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         self._check_usable()
         reqs = _requests(prompts, sampling)
@@ -163,12 +169,18 @@ class VLLMEngine:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         if not reqs:
             return []
-        inputs = [TokensPrompt(prompt_token_ids=ids) for _, ids, _, _ in reqs]
+        inputs = [_prompt(ids, None if images is None else images[i]) for i, ids, _, _ in reqs]
         extra = _engine_only_kwargs(sampling)
         params = [SamplingParams(**dict(_sampling_kwargs(sampling, n, seed), max_tokens=sampling.limit(i)), **extra)
                   for i, _, n, seed in reqs]
         with self._engine_context():
             outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
+        for (i, ids, _, _), out in zip(reqs, outputs):
+            if images is not None and images[i] is not None and list(out.prompt_token_ids) != ids:
+                raise RuntimeError(
+                    f"prompt {i}: vLLM expanded its image placeholders into {len(out.prompt_token_ids)} ids, the "
+                    f"model's processor into {len(ids)}: sampler and trainer would see other prompts (a prompt "
+                    "expanded twice, or vLLM's image processor resizing otherwise than the trainer's)")
         completions = [c for (i, ids, _, _), out in zip(reqs, outputs)
                        for c in _completions(out, i, ids, extra["detokenize"])]
         if not extra["detokenize"]:
@@ -177,6 +189,7 @@ class VLLMEngine:
                 c.text = text
         return completions
 
+    # (generate_continuous, the stream's, takes no images: a vision model is refused with placement.schedule: stream)
     def generate_continuous(self, first: list[tuple[list[int], Sampling]],
                             follow: Callable[[int, Completion], tuple[list[int], Sampling] | None]) -> None:
         """Continuous batching across turns: request k is `first[k]` (one sample each); when it finishes, `follow(k,
@@ -218,13 +231,21 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------------------------- weights
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace weights in buckets of at most `sync_bucket_mb`, then drop the prefix cache (stale KV).
+        """Replace weights in buckets of at most `sync_bucket_mb`, then drop what the old weights computed: the
+        prefix cache (stale KV) and a vision model's cached image encodings (`_reset_caches`).
 
         Every name and shape is checked first: a bad one raises ValueError and the engine keeps its weights.
         """
         self._check_usable()
-        stats = self.updates.load(named_tensors, self._send, self.llm.reset_prefix_cache)
+        stats = self.updates.load(named_tensors, self._send, self._reset_caches)
         self.last_sync_seconds, self.last_sync_bytes, self.last_sync_buckets = stats
+
+    def _reset_caches(self) -> None:
+        """Drop what the old weights computed: the prefix cache's KV, and the images' encodings vLLM keeps (the
+        vision tower's outputs, reused for an image seen before: stale once the tower's weights change), in its
+        scheduler and its model runner alike."""
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
 
     def _send(self, bucket: Bucket) -> None:
         payload: Any = encode_weights(bucket) if self._serialize else bucket
@@ -298,7 +319,7 @@ class VLLMEngine:
         before = self._free_bytes()
         self.llm.wake_up()
         self.asleep = False
-        self.llm.reset_prefix_cache()
+        self._reset_caches()
         return max(0, before - self._free_bytes())
 
     def close(self) -> None:
@@ -343,3 +364,15 @@ class VLLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _prompt(ids: list[int], images: Images | None) -> Any:
+    """vLLM's input for one prompt: its ids, or with images the ids with one placeholder per image and the images."""
+    from vllm.inputs import TokensPrompt
+
+    if images is None:
+        return TokensPrompt(prompt_token_ids=ids)
+    from PIL import Image
+
+    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images.files]
+    return TokensPrompt(prompt_token_ids=list(images.engine_ids), multi_modal_data={"image": pictures})
