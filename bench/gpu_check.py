@@ -32,6 +32,8 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
                   on each sync (in place, vLLM's own loader; on the CPU tandem reloads them after vLLM's reload)
   mla-sync        a tiny DeepSeek-V3 with vLLM in process on its CUDA latent-attention backend: logprob_diff; then
                   LoRA on its attention served by vLLM's own LoRA (q_a_proj and kv_a_proj_with_mqa packed in one)
+  vision          a tiny vision-language model (Idefics3) through the loop on the colors task, hf and vLLM in process:
+                  logprob_diff after each sync
   bf16-bound      model.dtype bfloat16 with vLLM: the logprob gap measured against rollout.max_logprob_diff 'auto'
   reward-model-memory  a reward model offloaded between scorings: one step's peak at most the peak with the
                   reference resident and no reward model, plus the reward model's activations
@@ -255,6 +257,22 @@ def check_colocated_ray(work: Path) -> str:
 def check_tp2(work: Path) -> str:
     return _logprob_gap(_run(tiny(work / "tiny"), work / "run", "rollout.engine=vllm", "placement.backend=ray",
                              "placement.workers=2", "rollout.tensor_parallel=2"))
+
+
+@check("vision")
+def check_vision(work: Path) -> str:
+    """The vision demo's tiny Idefics3 (untrained) on the colors task with each engine in one process: the images
+    reach the engine's prefill (hf) or vLLM's own processor, and the trainer's forwards, on the device."""
+    from tandem.demo import VisionDemoSpec, build_vision_model, build_vision_processor, build_vision_tokenizer
+
+    spec, folder = VisionDemoSpec(), work / "vlm"
+    tokenizer = build_vision_tokenizer(spec)
+    build_vision_model(spec, tokenizer).save_pretrained(folder)
+    build_vision_processor(spec, tokenizer).save_pretrained(folder)
+    gaps = [f"{engine}: " + _logprob_gap(_run(folder, work / engine, f"rollout.engine={engine}", "data.task=colors",
+                                              "data.max_prompt_tokens=16", "rewards=[{name: colors_exact}]"))
+            for engine in ("hf", "vllm")]
+    return "; ".join(gaps)
 
 
 def _split(work: Path, *extra: str) -> list[dict]:
