@@ -48,6 +48,20 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm(tmp_path_factory) -> Path:
+    """The vision demo's model as built, before its warm start (random weights), with its processor: a tiny Idefics3
+    whose heads are 32 wide (vLLM-CPU's attention takes no smaller)."""
+    from tandem.demo import VisionDemoSpec, build_vision_model, build_vision_processor, build_vision_tokenizer
+
+    spec = VisionDemoSpec()
+    folder = tmp_path_factory.mktemp("vlm")
+    tokenizer = build_vision_tokenizer(spec)
+    build_vision_model(spec, tokenizer).save_pretrained(folder)
+    build_vision_processor(spec, tokenizer).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def vllm_model(tmp_path_factory) -> Path:
     """tiny_model's shape with head_dim 32: vLLM's CPU attention has no kernel for tiny_model's 8."""
     return save_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden=128)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,20 +21,6 @@ from tandem.rollout.base import Sampling  # noqa: E402
 from tandem.run.vision import VisionPrompts  # noqa: E402
 
 LOGPROB_TOL = 1e-4  # as tests/rollout/test_vllm_engine.py's: vLLM's CPU kernels against HF's
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory) -> Path:
-    """The vision demo's model, untrained (heads of 32 dimensions: vLLM-CPU's attention takes no smaller,
-    "Unsupported CPU attention configuration: head_dim=16")."""
-    from tandem.demo import VisionDemoSpec, build_vision_model, build_vision_processor, build_vision_tokenizer
-
-    spec = VisionDemoSpec()
-    folder = tmp_path_factory.mktemp("vlm32")
-    tokenizer = build_vision_tokenizer(spec)
-    build_vision_model(spec, tokenizer).save_pretrained(folder)
-    build_vision_processor(spec, tokenizer).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

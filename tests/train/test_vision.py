@@ -23,19 +23,6 @@ from tandem.train.batch import make_micro_batches
 from tandem.train.logprobs import token_logprobs
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory) -> Path:
-    """The vision demo's model as built, before its warm start (random weights), with its processor."""
-    from tandem.demo import VisionDemoSpec, build_vision_model, build_vision_processor, build_vision_tokenizer
-
-    spec = VisionDemoSpec()
-    folder = tmp_path_factory.mktemp("vlm")
-    tokenizer = build_vision_tokenizer(spec)
-    build_vision_model(spec, tokenizer).save_pretrained(folder)
-    build_vision_processor(spec, tokenizer).save_pretrained(folder)
-    return folder
-
-
 def _png(color: tuple[int, int, int], size: tuple[int, int] = (64, 64)) -> bytes:
     out = io.BytesIO()
     PILImage.new("RGB", size, color).save(out, "PNG")
