@@ -60,7 +60,8 @@ class VisionPrompts:
         row = prompt.row
         if not row.get("_images"):
             return None
-        out = self.encode(row)
+        text = self.text(row.get("_messages") or row["question"])
+        out = self.encode(row, text)
         if out["input_ids"][0].tolist() != prompt.ids:
             raise RuntimeError(f"the processor gave other ids for {row.get('_line', row.get('_row', '?'))} than at "
                                "load: it is not deterministic, and the images' tensors cannot be matched to the ids")
@@ -68,7 +69,6 @@ class VisionPrompts:
         digest = hashlib.blake2b(digest_size=16)
         for image in row["_images"]:
             digest.update(image.data)
-        text = self.text(row.get("_messages") or row["question"])
         collapsed = self.processor.tokenizer.encode(text, add_special_tokens=False)  # one placeholder per image
         return Images(digest.hexdigest(), tuple(image.name for image in row["_images"]), tensors,
                       tuple(image.data for image in row["_images"]), tuple(collapsed))

@@ -71,7 +71,6 @@ class RemoteReward:
     whole call: every sample scores 0 and is counted, and reward_pool.max_error_rate stops the run."""
 
     def __init__(self, spec: Any):
-        self.name = spec.name
         self.normalize = spec.normalize if spec.name == reward_model.NAME else "none"
         self.group: WorkerGroup | None = None
         self.key = spec.name

@@ -14,15 +14,8 @@ from tandem.config import ConfigError, load_config
 from tandem.data.images import Image, attach_images, refuse_image_rows
 from tandem.data.sources import DataError, task_rows
 
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch, tmp_path):
-    """No Hub, and the datasets cache in the test's folder (as tests/data/test_datasets.py)."""
-    import datasets
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+# the data section of a config, a jsonl file, and (autouse) the Hub out of reach with the datasets cache in tmp_path
+from data.test_datasets import data, offline, write_jsonl  # noqa: F401
 
 
 def picture(path: Path | None = None, size: tuple[int, int] = (6, 4), fmt: str = "PNG") -> bytes:
@@ -33,17 +26,6 @@ def picture(path: Path | None = None, size: tuple[int, int] = (6, 4), fmt: str =
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(out.getvalue())
     return out.getvalue()
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def data(**settings) -> object:
-    settings.setdefault("task", "jsonl")
-    return load_config(None, [f"data.{k}={v}" for k, v in settings.items()]).data
 
 
 def chat(*parts: dict) -> list[dict]:
