@@ -34,6 +34,9 @@ class TrainWorker:
         self.cfg, self.ctx = cfg, ctx or WorkerContext()
         m, tp = cfg.model, cfg.placement.tensor_parallel
         self.tokenizer = load_tokenizer(m.path, m.trust_remote_code)
+        # what a checkpoint holds beside the weights: a vision-language model's processor (its image processor and
+        # tokenizer), else the tokenizer
+        self.processor = load_processor(m.path, m.trust_remote_code) if is_vision_model(m.path) else self.tokenizer
         self.pad_id = self.tokenizer.pad_token_id
         self.mesh = None
         self.dp_rank, self.dp_size = 0, 1
@@ -194,9 +197,8 @@ class TrainWorker:
             full = self.policy.full_state_dict()
             if self.ctx.rank == 0:
                 self.policy.model.save_pretrained(folder, state_dict=full, safe_serialization=True)
-        if self.ctx.rank == 0:  # a vision-language model's processor: its image processor beside the tokenizer
-            (load_processor(self.cfg.model.path, self.cfg.model.trust_remote_code) if is_vision_model(
-                self.cfg.model.path) else self.tokenizer).save_pretrained(folder)
+        if self.ctx.rank == 0:
+            self.processor.save_pretrained(folder)
         torch.save(self.policy.state_dict(), Path(folder) / self._optimizer_file())
 
     def restore(self, folder: str) -> None:
