@@ -373,22 +373,24 @@ def _check_before_loading(cfg: Config) -> None:
 
 def _check_vision(cfg: Config) -> None:
     """A vision-language model runs so far where its images are carried (issue 47): the hf engine or vLLM in
-    process, in one process, sampling and training in turn; refuse the rest, naming the setting."""
+    process, in one process or on Ray workers (colocated or split, sync or async), FSDP over the whole model; refuse
+    the rest, naming the setting."""
     config = (Path(cfg.model.path).expanduser() / "config.json").read_text()
     server = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server"
     wants = [what for what, on in (
         ("rollout.vllm.mode: server (use inprocess)", server),
-        (f"placement.backend: {cfg.placement.backend} (use local)", cfg.placement.backend != "local"),
-        (f"placement.schedule: {cfg.placement.schedule} (use sync)", cfg.placement.schedule != "sync"),
+        ("placement.schedule: stream (use sync or async)", cfg.placement.schedule == "stream"),
+        (f"placement.tensor_parallel: {cfg.placement.tensor_parallel} (shard with FSDP: tensor_parallel 1)",
+         cfg.placement.tensor_parallel > 1),
         (f"env.name: {cfg.env.name} (multi-turn)", bool(cfg.env.name)),
         ("lora.enabled", cfg.lora.enabled),
         ("algo.distill.teacher", bool(cfg.algo.distill.teacher)),
         ("a model with 3-D rotary positions (mrope_section in config.json: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)",
          "mrope_section" in config)) if on]
     if wants:
-        raise ConfigError(f"model.path {cfg.model.path!r} is a vision-language model, which tandem trains so far in "
-                          "one process (placement.backend: local, schedule: sync) with rollout.engine hf or vllm in "
-                          "process; not yet with "
+        raise ConfigError(f"model.path {cfg.model.path!r} is a vision-language model, which tandem trains so far "
+                          "with rollout.engine hf or vllm in process, in one process or on Ray workers (schedule sync "
+                          "or async, FSDP); not yet with "
                           f"{'; '.join(wants)} (issue 47)")
 
 

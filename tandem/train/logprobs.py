@@ -2,6 +2,8 @@
 routing statistics of an MoE's forward. Pure functions of a model and tensors: no optimizer, no state kept."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
@@ -23,9 +25,39 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     """
     if share_prompts and mb.shared is not None:
         return _shared_prompt_logprobs(model, mb, temperature, with_entropy, entropy_grad)
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                use_cache=False, logits_to_keep=mb.width + 1, **mb.images)
+    with _sampled_placeholders_as_text(model, mb) as input_ids:
+        out = model(input_ids=input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                    use_cache=False, logits_to_keep=mb.width + 1, **mb.images)
     return _logprobs(out.logits[:, :-1, :], mb.targets, mb.mask, temperature, with_entropy, entropy_grad)
+
+
+@contextlib.contextmanager
+def _sampled_placeholders_as_text(model, mb: MicroBatch):
+    """The micro-batch's ids for a forward over whole rows with their images, where a completion may hold the image
+    placeholder token (a model may sample it): the model would take it for an image's place, where the sampler took
+    it as a token (decoding feeds no pixels). Such a token enters as another id, and its own embedding is put back in
+    its place by a hook on the embedding layer (inside the model's forward, so FSDP has the weights gathered): the
+    images fill only the prompt's placeholders, as in the sampler. Yields the ids to pass."""
+    token = getattr(model.config, "image_token_id", None)
+    if not mb.images or token is None:
+        yield mb.input_ids
+        return
+    sampled = torch.zeros_like(mb.input_ids, dtype=torch.bool)
+    sampled[:, -mb.width:] = mb.targets == token  # a completion's columns are its targets' (padding: pad_id)
+    if not sampled.any():
+        yield mb.input_ids
+        return
+    embeddings = model.get_input_embeddings()
+
+    def put_back(module, args, out):
+        own = type(module).forward(module, torch.full((), token, device=out.device))  # forward(): no hooks again
+        return torch.where(sampled.unsqueeze(-1).to(out.device), own.to(out.dtype), out)
+
+    handle = embeddings.register_forward_hook(put_back)
+    try:
+        yield mb.input_ids.masked_fill(sampled, 0 if token != 0 else 1)
+    finally:
+        handle.remove()
 
 
 def routed_logprobs(model, routing: "moe.Routing | None", mb: MicroBatch, temperature: float, replay: bool = False,

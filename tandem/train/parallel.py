@@ -194,13 +194,27 @@ def build_mesh(ctx_group_ranks: list[int], dp: int, tp: int, device_type: str) -
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (model.model.layers for Qwen2/Llama/Mistral)."""
+    """The transformer blocks of a Hugging Face causal LM (model.model.layers for Qwen2/Llama/Mistral), or of a
+    vision-language model's language model (Idefics3's model.text_model.layers, Qwen-VL's
+    model.language_model.layers)."""
     base = getattr(model, "model", model)
+    base = getattr(base, "language_model", None) or getattr(base, "text_model", None) or base
     layers = getattr(base, "layers", None)
     if layers is None:
         raise ValueError(f"parallelize: {type(model).__name__} has no .model.layers; "
                          "only decoder-only LMs are supported")
     return list(layers)
+
+
+def vision_layers(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's vision tower's blocks (Idefics3's encoder layers, Qwen-VL's blocks); [] for a text
+    model. FSDP shards each as a decoder layer is, so a big tower's full weights too live only while it runs."""
+    base = getattr(model, "model", model)
+    tower = getattr(base, "vision_model", None) or getattr(base, "visual", None)
+    if tower is None:
+        return []
+    encoder = getattr(tower, "encoder", tower)
+    return list(getattr(encoder, "layers", None) or getattr(encoder, "blocks", None) or [])
 
 
 def _check_tp(model: nn.Module, tp: int) -> None:
@@ -300,7 +314,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, expert_parallel: int 
             emesh = expert_mesh(dp_mesh, expert_parallel, _group)
             for experts in shard_experts(model, emesh):  # their own FSDP group, before their layer takes the rest
                 fully_shard(experts, mesh=emesh["edp"], reshard_after_forward=True)
-        for layer in decoder_layers(model):
+        for layer in vision_layers(model) + decoder_layers(model):
             # ZeRO-3: a layer's full weights live only while it runs (one more all-gather in backward for memory).
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
         fully_shard(model, mesh=dp_mesh)

@@ -83,7 +83,7 @@ def test_engine_and_trainer_agree_on_image_prompts_in_both_layouts(vlm):
 
 def test_a_vision_model_is_refused_where_its_images_are_not_carried_yet(vlm, monkeypatch):
     """Each placement and engine the images do not reach yet, refused before any model loads, naming the
-    setting; the hf engine in one process passes."""
+    setting; the hf engine in one process and on Ray workers passes."""
     from tandem import modeling
     from tandem.config import ConfigError, load_config
     from tandem.trainer import _check_vision
@@ -91,8 +91,12 @@ def test_a_vision_model_is_refused_where_its_images_are_not_carried_yet(vlm, mon
     monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
     base = [f"model.path={vlm}", "data.task=colors"]
     _check_vision(load_config(None, base))
+    _check_vision(load_config(None, base + ["placement.backend=ray", "placement.workers=2"]))
     for extra, says in ((["rollout.engine=vllm", "rollout.vllm.mode=server"], "rollout.vllm.mode: server"),
-                        (["placement.backend=ray"], "placement.backend: ray"),
+                        (["placement.backend=ray", "placement.mode=split", "placement.schedule=stream"],
+                         "placement.schedule: stream"),
+                        (["placement.backend=ray", "placement.workers=2", "placement.tensor_parallel=2"],
+                         "placement.tensor_parallel: 2"),
                         (["lora.enabled=true"], "lora.enabled")):
         with pytest.raises(ConfigError, match=f"vision-language model.*{says}"):
             _check_vision(load_config(None, base + extra))
@@ -130,19 +134,29 @@ def test_a_run_on_a_vision_model_trains_evaluates_and_saves_its_processor(vlm, t
 
 
 def test_a_sampled_image_placeholder_is_trained_on_as_a_token(vlm):
-    """A completion that holds the image placeholder token (an untrained model samples it): in one process the
-    trainer runs the prompt with its picture once and the completion after it, so the token is a token, even where
-    no prompt repeats (one row each); the full forward over the row would have counted it as one more image's place
-    and failed."""
+    """A completion that holds the image placeholder token (an untrained model samples it) is a token, as the sampler
+    fed it, in both layouts: prompt-once runs the prompt with its picture and the completion after it; the forward
+    over whole rows (FSDP's) enters it as its own embedding, not as one more image's place. The two agree, logprobs
+    and gradients within 1e-5. Red if the whole-row forward let the model count it as an image's place (it fails:
+    more places than image features)."""
     vision = VisionPrompts(load_processor(vlm), chat_template=False, system_prompt="")
     prompts = _prompts(vision)[:2]
     placeholder = vision.processor.tokenizer.convert_tokens_to_ids("<image>")
-    comps = [Completion(p.ids, [placeholder, 5], [0.0, 0.0], "", "stop", k, images=vision.images(p))
-             for k, p in enumerate(prompts)]
-    (mb,) = make_micro_batches(Samples.of_call(comps, 2), 4096, 0, by_prompt=True)
-    assert mb.shared is not None
-    logp, _ = token_logprobs(load_causal_lm(vlm), mb, 1.0, share_prompts=True)
-    assert torch.isfinite(logp).all() and (logp * mb.mask).sum() < 0
+    comps = [Completion(p.ids, [placeholder, 5, placeholder][:2 + k], [0.0] * (2 + k), "", "stop", k,
+                        images=vision.images(p)) for k, p in enumerate(prompts)]
+    model, results = load_causal_lm(vlm), []
+    for share in (True, False):
+        (mb,) = make_micro_batches(Samples.of_call(comps, 2), 4096, 0, by_prompt=share)
+        assert (mb.shared is not None) == share
+        model.zero_grad()
+        logp, _ = token_logprobs(model, mb, 1.0, share_prompts=share)
+        (logp * mb.mask).sum().backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (once, once_grads), (rows, row_grads) = results
+    assert torch.isfinite(once).all() and (once - rows).abs().max() < 1e-5
+    assert once_grads.keys() == row_grads.keys()
+    for name, g in once_grads.items():
+        assert (g - row_grads[name]).abs().max() < 1e-5 * max(1.0, float(g.abs().max())), name
 
 
 def test_a_vision_models_weights_are_known_before_it_loads(vlm):
