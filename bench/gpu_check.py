@@ -34,6 +34,7 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
                   LoRA on its attention served by vLLM's own LoRA (q_a_proj and kv_a_proj_with_mqa packed in one)
   vision          a tiny vision-language model (Idefics3) through the loop on the colors task, hf and vLLM in process:
                   logprob_diff after each sync
+  vision-ray      the same with vLLM in colocated Ray workers (one per GPU, at most 2; FSDP2 over the whole model)
   bf16-bound      model.dtype bfloat16 with vLLM: the logprob gap measured against rollout.max_logprob_diff 'auto'
   reward-model-memory  a reward model offloaded between scorings: one step's peak at most the peak with the
                   reference resident and no reward model, plus the reward model's activations
@@ -259,20 +260,38 @@ def check_tp2(work: Path) -> str:
                              "placement.workers=2", "rollout.tensor_parallel=2"))
 
 
-@check("vision")
-def check_vision(work: Path) -> str:
-    """The vision demo's tiny Idefics3 (untrained) on the colors task with each engine in one process: the images
-    reach the engine's prefill (hf) or vLLM's own processor, and the trainer's forwards, on the device."""
+def _vlm(work: Path) -> Path:
+    """The vision demo's tiny Idefics3, untrained, saved as a checkpoint with its processor."""
     from tandem.demo import VisionDemoSpec, build_vision_model, build_vision_processor, build_vision_tokenizer
 
     spec, folder = VisionDemoSpec(), work / "vlm"
     tokenizer = build_vision_tokenizer(spec)
     build_vision_model(spec, tokenizer).save_pretrained(folder)
     build_vision_processor(spec, tokenizer).save_pretrained(folder)
-    gaps = [f"{engine}: " + _logprob_gap(_run(folder, work / engine, f"rollout.engine={engine}", "data.task=colors",
-                                              "data.max_prompt_tokens=16", "rewards=[{name: colors_exact}]"))
+    return folder
+
+
+VISION = ("data.task=colors", "data.max_prompt_tokens=16", "rewards=[{name: colors_exact}]")
+
+
+@check("vision")
+def check_vision(work: Path) -> str:
+    """The vision demo's tiny Idefics3 (untrained) on the colors task with each engine in one process: the images
+    reach the engine's prefill (hf) or vLLM's own processor, and the trainer's forwards, on the device."""
+    folder = _vlm(work)
+    gaps = [f"{engine}: " + _logprob_gap(_run(folder, work / engine, f"rollout.engine={engine}", *VISION))
             for engine in ("hf", "vllm")]
     return "; ".join(gaps)
+
+
+@check("vision-ray")
+def check_vision_ray(work: Path) -> str:
+    """The same model with vLLM in colocated Ray workers (one per GPU, at most 2: FSDP2 over the whole model, tower
+    included, each row's forward with its picture) with sleep/wake."""
+    workers = min(2, gpus())
+    rows = _run(_vlm(work), work / "run", "rollout.engine=vllm", "placement.backend=ray",
+                f"placement.workers={workers}", "rollout.vllm.sleep_level=1", *VISION)
+    return f"{workers} workers: " + _logprob_gap(rows)
 
 
 def _split(work: Path, *extra: str) -> list[dict]:

@@ -31,7 +31,7 @@ def _checks() -> list[str]:
 # placements in tests/workers/test_vllm_*.py (gpt-oss-sync's: the zoo's vLLM steps on gpt-oss), and
 # `python bench/gpu_check.py --dry-run` runs them all by hand.
 HEAVY = ["vllm-sleep", "vllm-train", "colocated-ray", "tp2-engine", "split-channel", "lora-vllm", "vllm-stream",
-         "stream-split", "gpt-oss-sync", "mla-sync", "vision"]
+         "stream-split", "gpt-oss-sync", "mla-sync", "vision", "vision-ray"]
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed: its checks would fail")
