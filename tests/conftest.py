@@ -62,6 +62,15 @@ def vlm(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_vlm(tmp_path_factory) -> Path:
+    """A tiny random Qwen2.5-VL (tandem.demo.build_qwen_vision): 3-D rotary positions, a tokenizer with Qwen's special
+    tokens and chat template, its image processor's files as a Hub checkpoint has them."""
+    from tandem.demo import build_qwen_vision
+
+    return build_qwen_vision(tmp_path_factory.mktemp("qwen-vlm"))
+
+
+@pytest.fixture(scope="session")
 def vllm_model(tmp_path_factory) -> Path:
     """tiny_model's shape with head_dim 32: vLLM's CPU attention has no kernel for tiny_model's 8."""
     return save_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden=128)

@@ -9,6 +9,8 @@ from tandem.config.base import ConfigError, Section, suggest
 from tandem.config.trackers import TRACKERS, missing
 
 
+
+
 class RunConfig(Section):
     name: str = Field(
         "run", description="Run name: the trackers' run name (run.report_to; TensorBoard names a run by its folder "
@@ -108,6 +110,18 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(
         False, description="Run the model folder's own Python code. Off by default: only for folders you trust.",
     )
+    freeze_vision: bool = Field(
+        True, description="A vision-language model's vision side stays as loaded: the tower and the connector "
+        "that projects its features into the language model (everything outside the language model and its head; "
+        "ms-swift's freeze_vit and freeze_aligner together) get no gradients and no optimizer state, and the weight "
+        "sync sends them once (the first sync into an engine, or every sync into one that drops its weights while "
+        "it sleeps), then only the language model's (`sync/bytes` shows it). On by default, as ms-swift's "
+        "defaults: a reward over a few thousand steps seldom needs the tower to move, the connector would then "
+        "chase features that move under it, and freezing both spares their gradients, their AdamW state (twice "
+        "their weights) and their share of every sync. Off: the whole model trains. LoRA adapts the language model "
+        "only, so with lora.enabled the vision side never trains either way. A text-only model has no vision side: "
+        "the setting changes nothing there.",
+    )
 
 
 class DataConfig(Section):
@@ -160,15 +174,19 @@ class DataConfig(Section):
         "images", min_length=1, description="Row field holding the row's images (a list, or one): each a path "
         "(relative to the data file's folder, or to a dataset folder; or absolute), bytes, a `{bytes, path}` dict "
         "(a `datasets` Image feature) or a PIL image. Their number must equal the prompt's placeholders (`<image>` "
-        "in text, `{type: image}` chat content parts). Each is read and checked before any model loads; rows with "
-        "images are then refused, naming the first: tandem trains text-only models so far (issue 47).",
+        "in text, `{type: image}` chat content parts). Each is read and checked before any model loads; a "
+        "text-only model given rows with images is refused, naming the first (it would never see them).",
     )
     max_pixels: int = Field(
         12845056, ge=1, description="The most pixels (width x height) an image may have; a row with a bigger one is "
-        "refused, naming its size (resize the images, or raise this). With `min_pixels`, it will go to the image "
-        "processor and to the engine alike, so that trainer and sampler resize images identically (issue 47). "
-        "12845056 (16384 x 28 x 28, a 3584 x 3584 image) is Qwen2-VL's processor default: counting and geometry "
-        "datasets' images (CLEVR's are 480 x 320) are far below it.",
+        "refused, naming its size (resize the images, or raise this: tandem does not decode a huge image at every "
+        "step to shrink it). With `min_pixels` it also bounds the image processor's resize, one setting for the "
+        "trainer's processor and vLLM's (`mm_processor_kwargs`) alike, so that both resize an image the same way: "
+        "Qwen2-VL's pixel bounds, or an Idefics3-style longest edge (at most the edge of a square image of this "
+        "many pixels, whole tiles where the processor splits images). The bounds only ever tighten the processor's "
+        "own (its checkpoint's config); a processor that resizes every image to one size takes none. 12845056 "
+        "(16384 x 28 x 28, a 3584 x 3584 image) is Qwen2-VL's processor default: counting and geometry datasets' "
+        "images (CLEVR's are 480 x 320) are far below it.",
     )
     min_pixels: int = Field(
         0, ge=0, description="The fewest pixels the image processor resizes an image up to, for it and the engine "

@@ -3,9 +3,11 @@ against the prompt's image placeholders; and the refusal of rows with images whi
 from __future__ import annotations
 
 import io
+import math
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from PIL import Image as PILImage
 
@@ -193,3 +195,32 @@ def _model_kind(model_path: str) -> str:
         return (f"; model.path {model_path!r} is a vision-language model (its config.json has a vision_config), "
                 "which tandem would train as a text-only one")
     return f"; model.path {model_path!r} is such a text-only model (its config.json has no vision_config)"
+
+
+# How an image processor (its `image_processor_type`) takes a pixel bound (`image_resize`): Qwen2-VL's
+# family as pixel counts, Idefics3's as a longest edge in pixels
+PIXEL_BOUNDS = ("Qwen2VLImageProcessor",)
+LONGEST_EDGE = ("Idefics3ImageProcessor", "SmolVLMImageProcessor")
+
+
+def image_resize(max_pixels: int, min_pixels: int, image_processor: dict[str, Any]) -> dict[str, Any]:
+    """What the image processor whose settings are `image_processor` (its `to_dict()`) is called with, and vLLM
+    built with (`mm_processor_kwargs`), to hold its resize within `min_pixels`..`max_pixels` (data.min_pixels,
+    data.max_pixels): one setting for both, so that both resize an image the same way; empty where its own resize
+    is within them already, or where it takes no pixel bound."""
+    kind = str(image_processor.get("image_processor_type", "")).removesuffix("Fast")
+    size = image_processor.get("size") or {}
+    if kind in PIXEL_BOUNDS:  # Qwen's `size` counts pixels: shortest_edge is min_pixels, longest_edge max_pixels
+        high = min(size["longest_edge"], max_pixels)
+        low = min(max(size["shortest_edge"], min_pixels), high)
+        wanted = {"shortest_edge": low, "longest_edge": high}
+    elif kind in LONGEST_EDGE:  # Idefics3's resizes the longest edge to size.longest_edge, up or down
+        edge = max(size["longest_edge"], math.ceil(math.sqrt(min_pixels)))
+        cap = math.isqrt(max_pixels)
+        if image_processor.get("do_image_splitting"):  # tiles of max_image_size: the edge rounds up to whole ones
+            tile = image_processor["max_image_size"]["longest_edge"]
+            cap = max(tile, cap // tile * tile)
+        wanted = {"longest_edge": min(edge, cap)}
+    else:
+        return {}
+    return {} if wanted == {k: size.get(k) for k in wanted} else {"size": wanted}

@@ -9,7 +9,7 @@ import torch
 
 from tandem import moe
 from tandem.util import residency
-from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer
+from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer, rope_positions
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
 from tandem.rollout.shared_prompt import SharedPromptDecoder, shares
@@ -165,16 +165,22 @@ class HFEngine:
         """Each prompt once (a group's n rows share it), with its images' tensors; the first logits of every row, the
         rows' next positions, and the decode step `(tokens, positions) -> logits` for up to `most` tokens a row: the
         model's forward on the prefill's cache copied out to every row, or, where `shared_prompt.shares`, the prompt
-        held once for its group."""
+        held once for its group.
+
+        A 3-D rotary model (mRoPE: Qwen-VL) prefills at the positions it gives its prompts itself
+        (`modeling.rope_positions`, the images' grids read), and decodes each row as text after its prompt: its 1-D
+        position plus the prompt's delta, which the model takes in all three sections."""
         from transformers import DynamicCache
 
         ids, attn = self._left_padded(prompts)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        next_pos = pos[:, -1].repeat_interleave(n) + 1
         cache = DynamicCache(config=self.model.config)
-        pixels = batch_images([im for im in images or () if im is not None])
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1, **{k: v.to(self.device) for k, v in pixels.items()})
+        pixels = {k: v.to(self.device) for k, v in
+                  batch_images([im for im in images or () if im is not None]).items()}
+        rope = rope_positions(self.model, ids, attn, pixels)
+        next_pos = (pos[:, -1] + 1 + (0 if rope is None else rope[1])).repeat_interleave(n)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos if rope is None else rope[0],
+                         past_key_values=cache, use_cache=True, logits_to_keep=1, **pixels)
         logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
         del out
         if shares(self.model, n):

@@ -54,12 +54,12 @@ def model_card(state: dict, kind: Kind) -> str:
                   if isinstance(v, (int, float)) and "reward_errors" not in k]
         lines.append("")
     lines += ["## Use", "", "```python"]
+    auto = "AutoModelForImageTextToText" if pipeline == "image-text-to-text" else "AutoModelForCausalLM"
     if kind == "adapter":
-        lines += ["from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
-                  f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), FOLDER)"]
+        lines += ["from peft import PeftModel", f"from transformers import {auto}", "",
+                  f"model = PeftModel.from_pretrained({auto}.from_pretrained({base!r}), FOLDER)"]
     else:
-        lines += ["from transformers import AutoModelForCausalLM", "",
-                  "model = AutoModelForCausalLM.from_pretrained(FOLDER)"]
+        lines += [f"from transformers import {auto}", "", f"model = {auto}.from_pretrained(FOLDER)"]
     lines += ["```", "", "`FOLDER` is this folder. The whole resolved config is in `trainer_state.json` of the "
               "checkpoint." if kind != "merged" else "`FOLDER` is this folder.", ""]
     return "\n".join(lines)

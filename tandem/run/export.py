@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tandem.modeling import check_model_folder, load_causal_lm, load_tokenizer
+from tandem.modeling import check_model_folder, is_vision_model, load_causal_lm, load_processor, load_tokenizer
 from tandem.run.card import CARD_FILE, model_card
 from tandem.train.lora import ADAPTER_CONFIG
 
@@ -14,7 +14,8 @@ from tandem.train.lora import ADAPTER_CONFIG
 def export_merged(checkpoint: str, out: str, base: str | None = None, dtype: str = "float32",
                   force: bool = False) -> Path:
     """A LoRA checkpoint as a plain Hugging Face folder: its adapter merged into the base model (the folder its
-    adapter_config.json names, or `base`), saved with the checkpoint's tokenizer; loadable by transformers and vLLM.
+    adapter_config.json names, or `base`), saved with the checkpoint's tokenizer (a vision-language model's: its
+    processor); loadable by transformers and vLLM.
     An existing `out` is refused unless `force` (the CLI refuses, before this, an `out` that holds the checkpoint or
     a run: tandem.run.directory.refuse_export_into); the folder is written beside it and renamed into place, so `out`
     is never half written (a kill leaves the old one, or none, and a hidden `.NAME.tmp-PID` folder)."""
@@ -34,7 +35,9 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, dtype: str
     tmp, old = (target.with_name(f".{target.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        load_tokenizer(folder).save_pretrained(tmp)
+        # a vision-language model's processor (its image processor and tokenizer; the checkpoint holds it), else
+        # the tokenizer: what a run saves beside the weights
+        (load_processor(folder) if is_vision_model(base) else load_tokenizer(folder)).save_pretrained(tmp)
         if (folder / "trainer_state.json").is_file():  # a tandem checkpoint: its card, for the merged model
             (tmp / CARD_FILE).write_text(model_card(json.loads((folder / "trainer_state.json").read_text()), "merged"))
         if target.exists():  # --force: the old folder goes only once the new one is whole

@@ -190,7 +190,7 @@ class ToCheckpoint:
             self._source_shape(name, param.shape)
             for ckpt, cut in cuts:
                 out[ckpt] = ParamLayout(cut.shape, param.dtype, {r: _cut_shard(s, cut, name)
-                                                                 for r, s in param.shards.items()})
+                                                                 for r, s in param.shards.items()}, param.unchanging)
         return out
 
 

@@ -2,6 +2,7 @@
 TP, PP, CP, EP and their compositions, and a reader for live DTensors."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -118,9 +119,16 @@ class ParamLayout:
     shape: tuple[int, ...]
     dtype: torch.dtype
     shards: dict[int, Shard] = field(default_factory=dict)  # rank -> its local tensor; absent: holds nothing
+    unchanging: bool = False  # the trainer never changes it (a frozen vision tower): a plan sends it once
 
 
 ModelLayout = dict[str, ParamLayout]
+
+
+def mark_unchanging(layout: ModelLayout, names: Iterable[str]) -> ModelLayout:
+    """`layout` with the parameters `names` marked unchanging (`ParamLayout.unchanging`)."""
+    names = set(names)
+    return {n: dataclasses.replace(p, unchanging=True) if n in names else p for n, p in layout.items()}
 
 
 def full_shard(shape: Sequence[int]) -> Shard:

@@ -48,10 +48,29 @@ class Plan:
     lower_bound: int = 0  # bytes each destination needs and does not hold, summed
     sent: dict[int, int] = field(default_factory=dict)  # bytes each source rank sends
     received: dict[int, int] = field(default_factory=dict)
+    unchanging: frozenset[str] = frozenset()  # parameters the trainer never changes (`ParamLayout.unchanging`)
 
     @property
     def ranks(self) -> set[int]:
         return {m.src for m in self.moves} | {m.dst for m in self.moves} | set(self.dst_shapes)
+
+    def without(self, names: Iterable[str]) -> "Plan":
+        """This plan less the parameters `names` (what a sync leaves out that the destinations hold already); each
+        rank keeps its place in `dst_shapes`, with nothing to receive where all it would receive is left out."""
+        names = set(names)
+        moves = [m for m in self.moves if m.name not in names]
+        sent: dict[int, int] = defaultdict(int)
+        received: dict[int, int] = defaultdict(int)
+        for m in moves:
+            if m.src != m.dst:
+                sent[m.src] += m.nbytes
+                received[m.dst] += m.nbytes
+        moved = sum(sent.values())
+        return Plan(moves, {n: p for n, p in self.params.items() if n not in names},
+                    {r: {n: s for n, s in shapes.items() if n not in names} for r, shapes in self.dst_shapes.items()},
+                    bytes_moved=moved, local_bytes=sum(m.nbytes for m in moves if m.src == m.dst),
+                    lower_bound=moved,  # `plan` moves each parameter's missing bytes once: moved is the bound
+                    sent=dict(sent), received=dict(received), unchanging=self.unchanging - names)
 
 
 def _cells(box: Box, holders: list[tuple[int, Piece]]) -> list[Box]:
@@ -141,7 +160,8 @@ def plan(src: ModelLayout, dst: ModelLayout) -> Plan:
             received[m.dst] += m.nbytes
     return Plan(moves, params, dst_shapes, bytes_moved=sum(sent.values()),
                 local_bytes=sum(m.nbytes for m in moves if m.src == m.dst), lower_bound=lower_bound,
-                sent=dict(sent), received=dict(received))
+                sent=dict(sent), received=dict(received),
+                unchanging=frozenset(n for n in dst if src[n].unchanging))
 
 
 def plan_to_replicas(src: ModelLayout, ranks: Iterable[int]) -> Plan:

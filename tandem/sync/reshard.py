@@ -256,12 +256,18 @@ class Resharder:
     sender writes each slice once, the receiver copies it out; a p2p note says when) instead of gloo's TCP
     loopback; False keeps every pair on p2p. Every rank of the plan must pass the same value.
     channel: a `tandem.sync.channel.WeightChannel` to carry the plan instead of `group` (ranks are the channel's;
-    every wait has its transfer timeout): the processes need no common torch.distributed world."""
+    every wait has its transfer timeout): the processes need no common torch.distributed world.
+
+    A plan with unchanging parameters (`Plan.unchanging`: a frozen vision tower) sends them at the first run only:
+    every later run is the plan without them (its own executor, set up at its first run), the destinations holding
+    them already. Every rank of the plan decides alike; `bytes_moved` is the latest run's."""
 
     def __init__(self, plan: Plan, rank: int | None = None, group: dist.ProcessGroup | None = None, *,
                  bucket_bytes: int = DEFAULT_BUCKET, device: torch.device | str | None = None,
                  shared_memory: bool = True, channel=None) -> None:
         self.plan = plan
+        self._rest: Resharder | None = None  # runs the plan less its unchanging parameters, after the first run
+        self._ran = False  # a whole run completed
         self.transport = channel if channel is not None else _TorchGroup(group)
         self.rank = rank if rank is not None else channel.rank if channel is not None else dist.get_rank(group)
         self.bucket_bytes, self.device, self.shared_memory = bucket_bytes, device, shared_memory
@@ -285,6 +291,24 @@ class Resharder:
 
         src_tensors: this rank's local tensors as laid out in the plan's source (DTensors are read locally).
         out: preallocated destination tensors to fill in place (others are allocated when their first bytes land)."""
+        if self._ran and self.plan.unchanging:
+            if self._rest is None:
+                self._rest = Resharder(self.plan.without(self.plan.unchanging), self.rank,
+                                       bucket_bytes=self.bucket_bytes, device=self.device,
+                                       shared_memory=self.shared_memory, channel=self.transport)
+            yield from self._rest.stream(src_tensors, out)
+            return
+        yield from self._whole(src_tensors, out)
+        self._ran = True
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes the latest run sent over the network (before any run: the whole plan's)."""
+        return (self._rest if self._rest is not None else self).plan.bytes_moved
+
+    def _whole(self, src_tensors: Mapping[str, torch.Tensor],
+               out: Mapping[str, torch.Tensor] | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """`stream` of the whole plan."""
         plan, rank = self.plan, self.rank
         # detach: parameters may require grad; the copies here are not part of any graph (out= still aliases them)
         src = {k: _to_local(v).detach() for k, v in src_tensors.items()}

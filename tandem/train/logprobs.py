@@ -9,6 +9,7 @@ from transformers.cache_utils import LinearAttentionLayer
 
 from tandem import moe
 from tandem.algo import entropy_from_logprobs
+from tandem.modeling import rope_positions
 from tandem.train.batch import MicroBatch
 from tandem.train.stats import StepStats
 
@@ -25,37 +26,40 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     """
     if share_prompts and mb.shared is not None:
         return _shared_prompt_logprobs(model, mb, temperature, with_entropy, entropy_grad)
-    with _sampled_placeholders_as_text(model, mb) as input_ids:
-        out = model(input_ids=input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+    with _whole_rows(model, mb) as (input_ids, position_ids):
+        out = model(input_ids=input_ids, attention_mask=mb.attention_mask, position_ids=position_ids,
                     use_cache=False, logits_to_keep=mb.width + 1, **mb.images)
     return _logprobs(out.logits[:, :-1, :], mb.targets, mb.mask, temperature, with_entropy, entropy_grad)
 
 
 @contextlib.contextmanager
-def _sampled_placeholders_as_text(model, mb: MicroBatch):
-    """The micro-batch's ids for a forward over whole rows with their images, where a completion may hold the image
-    placeholder token (a model may sample it): the model would take it for an image's place, where the sampler took
-    it as a token (decoding feeds no pixels). Such a token enters as another id, and its own embedding is put back in
-    its place by a hook on the embedding layer (inside the model's forward, so FSDP has the weights gathered): the
-    images fill only the prompt's placeholders, as in the sampler. Yields the ids to pass."""
+def _whole_rows(model, mb: MicroBatch):
+    """The ids and positions for a forward over whole rows (prompt and completion) with their images. A completion
+    may hold the image placeholder token (a model may sample it), which the sampler fed as a token (decoding feeds
+    no pixels) and the model would take for one more image's place: it enters as another id, and its own embedding
+    is put back in its place by a hook on the embedding layer (inside the model's forward, so FSDP has the weights
+    gathered); the images fill only the prompt's placeholders. A 3-D rotary model (mRoPE: `rope_positions`) runs at
+    its own positions for the prompt, the completion continuing them as text. Yields (input_ids, position_ids)."""
     token = getattr(model.config, "image_token_id", None)
     if not mb.images or token is None:
-        yield mb.input_ids
+        yield mb.input_ids, mb.position_ids
         return
     sampled = torch.zeros_like(mb.input_ids, dtype=torch.bool)
-    sampled[:, -mb.width:] = mb.targets == token  # a completion's columns are its targets' (padding: pad_id)
+    if mb.width:  # a completion's columns are its targets' (their padding is pad_id, never an image token)
+        sampled[:, -mb.width:] = mb.targets == token
+    rope = rope_positions(model, mb.input_ids, mb.attention_mask, mb.images, sampled)
+    positions = mb.position_ids if rope is None else rope[0]
     if not sampled.any():
-        yield mb.input_ids
+        yield mb.input_ids, positions
         return
-    embeddings = model.get_input_embeddings()
 
     def put_back(module, args, out):
         own = type(module).forward(module, torch.full((), token, device=out.device))  # forward(): no hooks again
         return torch.where(sampled.unsqueeze(-1).to(out.device), own.to(out.dtype), out)
 
-    handle = embeddings.register_forward_hook(put_back)
+    handle = model.get_input_embeddings().register_forward_hook(put_back)
     try:
-        yield mb.input_ids.masked_fill(sampled, 0 if token != 0 else 1)
+        yield mb.input_ids.masked_fill(sampled, 0 if token != 0 else 1), positions
     finally:
         handle.remove()
 
@@ -113,13 +117,14 @@ def shares_prompts(model) -> bool:
     """Architectures whose prompt-once logprobs are tested equal to the full forward's: Llama-family models with
     full attention everywhere (a sliding-window cache would crop the prompt's keys), Qwen3.5's hybrid of full
     attention and Gated DeltaNet (the prompt's recurrent state and convolution window carried to its rows), and a
-    vision-language model around a Llama one (Idefics3: its images enter with the prompt, once)."""
+    vision-language model around a Llama one (Idefics3: its images enter with the prompt, once) or a Qwen2 one with
+    3-D rotary positions (Qwen2.5-VL: the prompts run at the model's own positions, their rows continue them)."""
     cfg = model.config
-    if cfg.model_type == "idefics3":
+    if cfg.model_type in ("idefics3", "qwen2_5_vl"):
         cfg = cfg.text_config
     if cfg.model_type == "qwen3_5_text":
         return True
-    if cfg.model_type not in ("qwen2", "llama"):
+    if cfg.model_type not in ("qwen2", "llama", "qwen2_5_vl_text"):
         return False
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
         return False
@@ -135,14 +140,18 @@ def _shared_prompt_logprobs(model, mb: MicroBatch, temperature: float, with_entr
     A linear-attention layer (Qwen3.5's Gated DeltaNet) carries its prompt's recurrent state and convolution window
     instead of keys and values, and reads every position in order: padding between a prompt and its row would decay
     the state and enter the window. There each row's tokens run left-aligned, right after its prompt (padding after
-    them, which nothing real reads), and their logprobs are moved back right-aligned."""
+    them, which nothing real reads), and their logprobs are moved back right-aligned.
+
+    A 3-D rotary model (mRoPE) runs its prompts at the positions it gives them itself (`rope_positions`), and each
+    row's tokens as text after its prompt: their 1-D positions plus the prompt's delta, in all three sections."""
     from transformers import DynamicCache
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     sp, T = mb.shared, mb.width
+    rope = rope_positions(model, sp.ids, sp.attention_mask, sp.images)  # prompts only: every image token an image's
     prompts = DynamicCache(config=model.config)
-    model(input_ids=sp.ids, attention_mask=sp.attention_mask, position_ids=sp.position_ids, past_key_values=prompts,
-          use_cache=True, logits_to_keep=1, **sp.images)  # a vision model's images: with the prompts, once
+    model(input_ids=sp.ids, attention_mask=sp.attention_mask, position_ids=sp.position_ids if rope is None else rope[0],
+          past_key_values=prompts, use_cache=True, logits_to_keep=1, **sp.images)  # a vision model's images: once
     linear = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in prompts.layers)
     parts, order = [], []
     for rows, width in sp.buckets:
@@ -154,6 +163,8 @@ def _shared_prompt_logprobs(model, mb: MicroBatch, temperature: float, with_entr
             else:
                 cache.layers[i].update(held.keys[of_row], held.values[of_row])
         inputs, mask, positions = sp.inputs[rows, cols], sp.inputs_mask[rows, cols], sp.inputs_positions[rows, cols]
+        if rope is not None:
+            positions = positions + rope[1][of_row, None]
         targets, loss_mask = mb.targets[rows, cols], mb.mask[rows, cols]
         if linear:  # left-aligned: each row's first token right after its prompt
             shift = width - mask.sum(1, keepdim=True)

@@ -21,7 +21,7 @@ from tandem.algo import (
     token_loss,
 )
 from tandem.config import AlgoConfig, LoraConfig, OldLogprobs, OptimConfig
-from tandem.modeling import load_causal_lm
+from tandem.modeling import is_vision_model, load_causal_lm
 from tandem.train.batch import MicroBatch, dummy_micro_batch
 from tandem.train.logprobs import route_stats, routed_logprobs, shares_prompts
 from tandem.train.offload import Offloader
@@ -52,6 +52,15 @@ def _totals(mbs: list[MicroBatch]) -> tuple[int, int]:
     return sum(t for t, _ in parts), sum(s for _, s in parts)
 
 
+def vision_side(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """A vision-language model's parameters outside its language model and its head, by name: the vision tower and
+    the connector that projects its features into the language model (Idefics3's vision_model and connector,
+    Qwen-VL's visual with its merger, LLaVA's and Gemma 3's vision_tower and multi_modal_projector)."""
+    language = {id(p) for p in model.get_decoder().parameters()}
+    language |= {id(p) for p in model.get_output_embeddings().parameters()}
+    return {n: p for n, p in model.named_parameters() if id(p) not in language}
+
+
 def lr_lambda(cfg: OptimConfig, total_steps: int):
     """Multiplier of the peak LR at optimizer step s: linear warm-up, then constant or cosine to min_lr_ratio."""
 
@@ -75,7 +84,7 @@ class Policy:
                  total_optimizer_steps: int, temperature: float, max_completion_tokens: int, mesh=None,
                  device: str | None = None, old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED,
                  lora: LoraConfig | None = None, seed: int = 0, expert_parallel: int = 1,
-                 teacher_on_workers: bool = False):
+                 teacher_on_workers: bool = False, freeze_vision: bool = True):
         """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping);
         `expert_parallel`: EP groups of that many dp ranks share each MoE layer's experts (`parallel.parallelize`).
 
@@ -94,6 +103,10 @@ class Policy:
 
         `teacher_on_workers` (placement.teacher_workers): the distillation teacher runs on workers of its own, and its
         logprobs arrive with the samples (`Completion.teacher_logprobs`); none is loaded here.
+
+        `freeze_vision` (model.freeze_vision): a vision-language model's vision side (`vision_side`) gets no gradients
+        and no optimizer state. `frozen` names its weights wherever it does not train (frozen, or under LoRA, which
+        adapts the language model only): weights that never change, which a weight sync sends once.
         """
         from tandem.train.parallel import parallelize
 
@@ -108,6 +121,10 @@ class Policy:
             from tandem.train import lora as lora_lib
 
             self.lora = lora_lib.wrap(self.model, lora, model_path, seed)
+        vision = vision_side(self.model) if is_vision_model(model_path) else {}
+        for p in vision.values() if freeze_vision else ():
+            p.requires_grad_(False)
+        self.frozen = frozenset(n for n, p in vision.items() if not p.requires_grad)
         if device is not None:
             self.model.to(device)
         self.model.train()

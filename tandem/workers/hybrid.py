@@ -145,7 +145,7 @@ class HybridWorker:
         start = time.perf_counter()
         if self.trainer.mesh is None:  # by the engine's names: an MoE's experts as views of the fused tensors
             named = self.trainer.to_engine.views(self.policy.named_weights())
-            return self.trainer.synced(start, push_weights(named, self.engine)["bytes"])
+            return self.trainer.synced(start, push_weights(named, self.engine, self.trainer.sent_once)["bytes"])
         from tandem.sync.reshard import Resharder
 
         if self._resharder is None:  # the layouts never change during a run: plan once (every rank alike)
@@ -156,7 +156,7 @@ class HybridWorker:
         sources = self.trainer.to_engine.sources_of(dict(self.policy.named_weights()))  # the plan's names
         for bucket in self._resharder.stream(sources, out=inplace):
             self.engine.load_weights(bucket)
-        return self.trainer.synced(start, self._resharder.plan.bytes_moved)
+        return self.trainer.synced(start, self._resharder.bytes_moved)
 
     def _plan_engine_sync(self):
         """Trainer shards -> every engine: whole on each worker, or each engine TP rank its own slices only."""

@@ -14,7 +14,8 @@ import torch
 
 from tandem.architectures import has_experts, lora_targets_for, model_type
 from tandem.config import Config
-from tandem.modeling import weightless_model
+from tandem.data.images import image_resize
+from tandem.modeling import is_vision_model, load_processor, weightless_model
 from tandem.rollout import Completion, Rollout, Samples, Sampling, make_engine
 from tandem.sync.convert import ToCheckpoint
 from tandem.workers.group import WorkerContext
@@ -32,6 +33,9 @@ def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
                   kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,
                   sync_bucket_mb=r.sync_bucket_mb, enable_sleep=v.enable_sleep,
                   enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=r.tensor_parallel)
+    if is_vision_model(m.path):  # its images resized as the trainer's processor resizes them (data.max_pixels)
+        processor = load_processor(m.path, m.trust_remote_code).image_processor
+        kwargs["mm_processor_kwargs"] = image_resize(cfg.data.max_pixels, cfg.data.min_pixels, processor.to_dict())
     if v.mode == "server":
         return "vllm_server", dict(kwargs, base_url=v.base_url or None, python=v.python or sys.executable)
     rows = cfg.batch.prompts_per_step * cfg.batch.group_size

@@ -12,6 +12,7 @@ from tandem.config import Config
 from tandem.modeling import is_vision_model, load_processor, load_tokenizer
 from tandem.rollout import Samples
 from tandem.sync.convert import ToCheckpoint
+from tandem.sync.frozen import SentOnce, engine_keeps_weights
 from tandem.train.batch import MicroBatch, make_micro_batches
 from tandem.train.policy import Policy, PreparedStep
 from tandem.workers.balance import balance
@@ -53,12 +54,17 @@ class TrainWorker:
                              device=None if self.ctx.device == "cpu" else self.ctx.device,
                              old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed,
                              expert_parallel=cfg.placement.expert_parallel,
-                             teacher_on_workers=cfg.placement.teacher_workers > 0)
+                             teacher_on_workers=cfg.placement.teacher_workers > 0,
+                             freeze_vision=cfg.model.freeze_vision)
         # What the engines load: vLLM (in process or a server) takes the checkpoint's tensors by the checkpoint's
         # names (an MoE's experts one by one, cut from the trainer's fused ones); the hf engine is the trainer's own
         # transformers class and takes its names as they are.
         self.to_engine = ToCheckpoint.of_model(self.policy.model, self.policy.named_weights()) \
             if cfg.rollout.engine == "vllm" else ToCheckpoint()
+        # Weights the trainer never changes (a frozen vision tower) go to an engine once, if it keeps them: every sync
+        # leaves them out after the first (one process: `sent_once`; planned syncs: marked in `weight_layout`).
+        self.unchanging = self.policy.frozen if engine_keeps_weights(cfg, self.ctx.device) else frozenset()
+        self.sent_once = SentOnce(self.to_engine.sources_of(dict.fromkeys(self.unchanging)))  # the engine's names
         self._step: PreparedStep | None = None  # prepared, not yet trained on
         self._idle_since = time.perf_counter()  # see `finished`
 
@@ -139,12 +145,14 @@ class TrainWorker:
     def weight_layout(self, named: dict | None = None):
         """This group's training layout, in global ranks, of `named` (default: what the samplers receive): where
         each byte lives now."""
-        from tandem.sync.layout import layout_from_dtensors, replicated_layout
+        from tandem.sync.layout import layout_from_dtensors, mark_unchanging, replicated_layout
 
         named = self.local_weights() if named is None else named
         if self.mesh is None:
-            return replicated_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, [self.ctx.global_rank])
-        return layout_from_dtensors(named, row_orders=self.policy.tp.row_orders)  # fused weights: by parts
+            layout = replicated_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, [self.ctx.global_rank])
+        else:
+            layout = layout_from_dtensors(named, row_orders=self.policy.tp.row_orders)  # fused weights: by parts
+        return mark_unchanging(layout, self.unchanging)
 
     def sampler_layout(self):
         """`weight_layout` of what the samplers receive, by the samplers' engine's names and shapes: the layout the
@@ -170,7 +178,7 @@ class TrainWorker:
         if self.ctx.global_rank == 0:
             self._channel.announce(version, sorted(self._resharder.plan.dst_shapes))
         self._resharder.run(self.to_engine.sources_of(self.local_weights()))  # the plan's names: see sampler_layout
-        return self.synced(start, self._resharder.plan.bytes_moved)
+        return self.synced(start, self._resharder.bytes_moved)
 
     def close(self) -> None:
         channel = getattr(self, "_channel", None)

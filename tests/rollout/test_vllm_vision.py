@@ -62,19 +62,90 @@ def test_a_prompt_sent_to_vllm_already_expanded_is_refused(vlm, engines):
 
 
 def test_a_vision_run_with_vllm_in_process_keeps_engine_and_trainer_equal(vlm, tmp_path):
-    """Two steps on the colors task with vLLM in process: after every weight sync the engine's logprob of every
-    sampled token equals the trainer's (logprob_diff, the step's mean, within 1e-5)."""
+    """Three steps on the colors task with vLLM in process, rewarded by the completions' length (which moves the
+    untrained model at each step): after every weight sync the engine's logprob of every sampled token equals the
+    trainer's (logprob_diff, the step's mean, within 1e-5), the frozen vision side (model.freeze_vision, the default)
+    sent with the first sync only."""
     from tandem.config import load_config
+    from tandem.modeling import load_causal_lm
+    from tandem.train.policy import vision_side
     from tandem.trainer import train
+    from train.test_vision_freeze import RUN
 
     train(load_config(None, [
-        f"model.path={vlm}", "data.task=colors", f"run.output_dir={tmp_path}", "run.steps=2", "run.save_every=0",
+        f"model.path={vlm}", "data.task=colors", f"run.output_dir={tmp_path}", "run.steps=3", "run.save_every=0",
         "run.eval_every=0", "run.progress=false", "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4",
-        "batch.group_size=4", "rollout.max_new_tokens=4", "data.eval_size=4", "reward_pool.workers=0",
-        "rewards=[{name: colors_exact}]", "rollout.engine=vllm", "rollout.vllm.max_model_len=64",
-        "data.max_prompt_tokens=16",
+        "batch.group_size=4", "rollout.max_new_tokens=4", "data.eval_size=4", "optim.lr=1e-2", *RUN,
+        "rollout.engine=vllm", "rollout.vllm.max_model_len=64", "data.max_prompt_tokens=16",
         "rollout.vllm.kv_cache_mb=32"]))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     diffs = [r["logprob_diff"] for r in rows if "logprob_diff" in r]
-    assert len(diffs) == 2 and max(diffs) < 1e-5, diffs
+    assert len(diffs) == 3 and max(diffs) < 1e-5, diffs
+    assert all(r["grad_norm"] > 0 for r in rows if "grad_norm" in r)
     assert torch.isfinite(torch.tensor(diffs)).all()
+    tower = sum(p.numel() * p.element_size() for p in vision_side(load_causal_lm(vlm)).values())
+    sent = [r["sync/bytes"] for r in rows if "sync/bytes" in r]
+    assert sent[1:] == [sent[0] - tower] * 2, (sent, tower)
+
+
+def test_vllm_resizes_images_within_the_pixel_limits_as_the_trainers_processor(vlm, tmp_path):
+    """data.max_pixels reaches vLLM (`mm_processor_kwargs`, in the engine's arguments) as it reaches the trainer's
+    processor: a picture the tiling processor would grow to four tiles expands, in vLLM, into the bounded
+    processor's ids (vLLM's expansion is checked against them), and a prompt of the unbounded processor's ids is
+    refused by that check."""
+    from tandem.config import load_config
+    from tandem.data.sources import Prompt
+    from tandem.rollout.vllm.engine import VLLMEngine
+    from tandem.trainer import _vision
+    from tandem.workers.rollout import engine_args
+    from train.test_vision_freeze import picture_row, tiling_copy
+
+    model = tiling_copy(vlm, tmp_path / "tiling")
+    cfg = load_config(None, [f"model.path={model}", "data.task=colors", "data.max_pixels=4096", "rollout.engine=vllm",
+                             "data.max_prompt_tokens=96", "rollout.max_new_tokens=4", "rollout.vllm.max_model_len=128",
+                             "rollout.vllm.kv_cache_mb=32", "rollout.vllm.enable_sleep=false"])
+    _, kwargs = engine_args(cfg)
+    assert kwargs["mm_processor_kwargs"] == {"size": {"longest_edge": 64}}
+    row, greedy = picture_row(), Sampling(n=1, temperature=0.0, max_new_tokens=2)
+    bounded, grown = _vision(cfg), VisionPrompts(load_processor(model), chat_template=False, system_prompt="")
+    prompts = [Prompt(v.ids(row), row) for v in (bounded, grown)]
+    assert len(prompts[0].ids) < len(prompts[1].ids)
+    with VLLMEngine(**kwargs) as engine:
+        (done,) = engine.generate([prompts[0].ids], greedy, images=[bounded.images(prompts[0])])
+        assert done.prompt_ids == prompts[0].ids
+        with pytest.raises(RuntimeError, match="vLLM expanded its image placeholders into"):
+            engine.generate([prompts[1].ids], greedy, images=[grown.images(prompts[1])])
+
+
+def test_vllm_serves_a_lora_adapter_on_the_language_model_as_hf_samples_it_merged(vlm):
+    """LoRA on a vision-language model adapts its language model only (tandem.train.lora); vLLM-CPU serves such an
+    adapter on Idefics3 from tensors in memory (as split samplers do): greedy, the same tokens as the hf engine
+    with the adapter merged, logprobs within LOGPROB_TOL, and other than the base model's."""
+    from tandem.config import LoraConfig
+    from tandem.modeling import load_causal_lm
+    from tandem.rollout.hf import HFEngine
+    from tandem.rollout.vllm.engine import VLLMEngine
+    from tandem.train import lora
+
+    vision = VisionPrompts(load_processor(vlm), chat_template=False, system_prompt="")
+    prompts = _prompts(vision)
+    images, ids = [vision.images(p) for p in prompts], [p.ids for p in prompts]
+    model = load_causal_lm(vlm)
+    lora.wrap(model, LoraConfig(enabled=True), str(vlm), seed=0)
+    torch.manual_seed(1)
+    for layer in lora.adapted(model).values():  # B starts at zero: an adapter that changes the model
+        layer.lora_B[lora.ADAPTER].weight.data.normal_(0, 0.5)
+    adapter = {n: t.clone() for n, t in lora.adapter_weights(model).items()}
+    assert all(n.startswith("model.text_model.") for n in adapter)
+    merged = HFEngine(str(vlm), seed=0)
+    merged.load_weights(list(lora.merged_weights(model)))
+    greedy = Sampling(n=1, temperature=0.0, max_new_tokens=6)
+    want = merged.generate(ids, greedy, images=images)
+    with VLLMEngine(str(vlm), seed=0, max_model_len=64, kv_cache_bytes=32 << 20, enable_sleep=False,
+                    lora_rank=8) as engine:
+        base = engine.generate(ids, greedy, images=images)
+        engine.load_adapter(adapter, LoraConfig().alpha, LoraConfig().rank)
+        got = engine.generate(ids, greedy, images=images)
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in want]
+    assert max(abs(a - b) for w, g in zip(want, got) for a, b in zip(w.logprobs, g.logprobs)) < LOGPROB_TOL
+    assert any(b.logprobs != g.logprobs for b, g in zip(base, got))

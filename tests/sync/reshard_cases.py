@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the synthetic model shape, also in the children
 from qwen2_shape import Qwen2Shape  # noqa: E402
 from tandem.sync.layout import (Mesh, ModelLayout, Spec, build_layout, layout_from_dtensors, local_tensor,
-                                replicated_layout)
+                                mark_unchanging, replicated_layout)
 from tandem.sync.planner import assign_ranks, plan, renumber
 from tandem.sync.reshard import Resharder
 
@@ -127,7 +127,33 @@ def run_layout_case(rank: int, src: ModelLayout, dst: ModelLayout, opts: dict) -
 
 
 CHANNEL_CASES = ["channel_fsdp_ranks01_to_replicas_ranks23", "channel_fsdp_ranks01_to_replicas_ranks23_p2p",
-                 "channel_transfer_timeout"]
+                 "channel_unchanging_sent_once", "channel_transfer_timeout"]
+
+
+def run_sent_once_case(rank: int, src: ModelLayout, dst: ModelLayout, channel) -> str:
+    """Three syncs of a plan whose layer-0 tensors are unchanging (`mark_unchanging`: a frozen tower): the first
+    brings every tensor, the next two only the others, with their new values each time (a training step between),
+    and move that many fewer bytes."""
+    frozen = {n for n in src if ".layers.0." in n}
+    p = plan(mark_unchanging(src, frozen), dst)
+    if p.unchanging != frozen:
+        return f"the plan's unchanging tensors are {sorted(p.unchanging)}, not {sorted(frozen)}"
+    resharder = Resharder(p, rank, channel=channel)
+    steps = [full_model(src, seed) for seed in range(3)]
+    for k, full in enumerate(steps):
+        full.update({n: steps[0][n] for n in frozen})  # the trainer never changes them
+        mine = {n: local_tensor(pl, rank, full[n]) for n, pl in src.items() if rank in pl.shards}
+        got = resharder.run(mine)
+        names = {n for n, pl in dst.items() if rank in pl.shards and (k == 0 or n not in frozen)}
+        if set(got) != names:
+            return f"sync {k}: tensors {sorted(set(got) ^ names)[:4]} missing or extra"
+        bad = [n for n in names if not torch.equal(got[n], local_tensor(dst[n], rank, full[n]))]
+        if bad:
+            return f"sync {k}: not bit-exact: {bad[:4]}"
+        want = p.bytes_moved if k == 0 else p.without(frozen).bytes_moved
+        if resharder.bytes_moved != want or (k and not 0 < want < p.bytes_moved):
+            return f"sync {k}: {resharder.bytes_moved} bytes moved, not {want} (whole plan: {p.bytes_moved})"
+    return "ok"
 
 
 def channel_cases(rank: int, world: int, port: int) -> dict[str, str]:
@@ -145,6 +171,10 @@ def channel_cases(rank: int, world: int, port: int) -> dict[str, str]:
                 results[name] = run_layout_case(rank, src, dst, {"channel": channel, "shared_memory": shm})
             except Exception:
                 results[name] = traceback.format_exc()
+        try:
+            results["channel_unchanging_sent_once"] = run_sent_once_case(rank, src, dst, channel)
+        except Exception:
+            results["channel_unchanging_sent_once"] = traceback.format_exc()
         if rank == 3:
             start = time.perf_counter()
             try:

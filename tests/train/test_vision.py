@@ -92,12 +92,11 @@ def test_a_vision_model_is_refused_where_its_images_are_not_carried_yet(vlm, mon
     base = [f"model.path={vlm}", "data.task=colors"]
     _check_vision(load_config(None, base))
     _check_vision(load_config(None, base + ["placement.backend=ray", "placement.workers=2"]))
-    for extra, says in ((["rollout.engine=vllm", "rollout.vllm.mode=server"], "rollout.vllm.mode: server"),
-                        (["placement.backend=ray", "placement.mode=split", "placement.schedule=stream"],
+    _check_vision(load_config(None, base + ["rollout.engine=vllm", "rollout.vllm.mode=server"]))
+    for extra, says in ((["placement.backend=ray", "placement.mode=split", "placement.schedule=stream"],
                          "placement.schedule: stream"),
                         (["placement.backend=ray", "placement.workers=2", "placement.tensor_parallel=2"],
-                         "placement.tensor_parallel: 2"),
-                        (["lora.enabled=true"], "lora.enabled")):
+                         "placement.tensor_parallel: 2")):
         with pytest.raises(ConfigError, match=f"vision-language model.*{says}"):
             _check_vision(load_config(None, base + extra))
 

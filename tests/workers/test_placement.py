@@ -341,16 +341,21 @@ def test_a_reward_model_and_a_teacher_on_workers_of_their_own_score_as_in_one_pr
     assert ray["time/teacher"] > 0 and ray["reward_model/model/batches"] >= 1
 
 
-@pytest.mark.parametrize("placement", [["placement.workers=2"],
-                                       ["placement.mode=split", "placement.rollout_workers=1",
-                                        "placement.schedule=async", "placement.max_staleness=1"]])
-def test_a_vision_model_samples_and_trains_with_its_images_on_ray_workers(session, vlm, tmp_path, placement):
+@pytest.mark.parametrize("model,placement", [
+    ("vlm", ["placement.workers=2"]),
+    ("vlm", ["placement.mode=split", "placement.rollout_workers=1", "placement.schedule=async",
+             "placement.max_staleness=1"]),
+    ("qwen_vlm", ["placement.workers=2"])])
+def test_a_vision_model_samples_and_trains_with_its_images_on_ray_workers(session, request, tmp_path, model,
+                                                                          placement):
     """The vision demo's tiny Idefics3 on the colors task (hf engine): on 2 colocated workers (FSDP over the whole
     model, tower included: each row's forward takes its picture) and on a split trainer and sampler (async, the
-    pictures travel to the sampler with the prompts). Every fresh batch's sampler logprobs equal the trainer's (1e-5):
+    pictures travel to the sampler with the prompts); a tiny Qwen2.5-VL (3-D positions, computed by the FSDP-wrapped
+    model's own rope index) on 2 colocated workers. Every fresh batch's sampler logprobs equal the trainer's (1e-5):
     red if the pictures missed the engines or the trainer's forwards (they move the logprobs, tests/train/
     test_vision.py), or if FSDP did not shard the model (it refused a model whose layers are not model.model.layers)."""
-    cfg = small_config(vlm, tmp_path, "data.task=colors", "data.max_prompt_tokens=16", "run.steps=3",
+    cfg = small_config(request.getfixturevalue(model), tmp_path, "data.task=colors", "data.max_prompt_tokens=32",
+                       "run.steps=3",
                        "run.save_every=0", "rewards=[{name: colors_exact}]", *placement)
     train(cfg)
     rows = [r for r in read_metrics(tmp_path) if r["step"] > 0]

@@ -66,11 +66,14 @@ class VLLMEngine:
                  kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.5, sync_bucket_mb: int = 64,
                  enable_sleep: bool = True, enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
                  sleep_level: int = 1, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 engine_kwargs: dict[str, Any] | None = None, shm_ident: str | None = None, lora_rank: int = 0) -> None:
+                 engine_kwargs: dict[str, Any] | None = None, shm_ident: str | None = None, lora_rank: int = 0,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
         """`shm_ident`: the name every shared-memory segment of a tensor-parallel engine inside an existing
         process group starts with (the same on all its ranks, unique to the run; see `_adopted_tp`).
         `lora_rank` > 0: serve LoRA adapters of up to that rank (`load_adapter`); vLLM's max_lora_rank is the
-        smallest rank it accepts that holds it (1, 8, 16, 32, ...)."""
+        smallest rank it accepts that holds it (1, 8, 16, 32, ...).
+        `mm_processor_kwargs`: what vLLM calls a vision-language model's processor with, the trainer's too
+        (`tandem.data.images.image_resize`: data.max_pixels and min_pixels), so both resize an image alike."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         self.updates = EngineWeights(str(model_path), dtype, sync_bucket_mb)
@@ -92,6 +95,8 @@ class VLLMEngine:
         self.max_lora_rank = lora_rank_for(lora_rank) if lora_rank else 0
         if lora_rank:  # two slots: the adapter being replaced and its successor
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=2)
+        if mm_processor_kwargs:
+            kwargs["mm_processor_kwargs"] = dict(mm_processor_kwargs)
         # Inside a process group that exists already (colocated workers), vLLM adopts that world and builds its
         # groups over it collectively; closing must then leave the world alone (see `close`).
         self.adopted_world = _world_initialized()
@@ -176,11 +181,8 @@ class VLLMEngine:
         with self._engine_context():
             outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
         for (i, ids, _, _), out in zip(reqs, outputs):
-            if images is not None and images[i] is not None and list(out.prompt_token_ids) != ids:
-                raise RuntimeError(
-                    f"prompt {i}: vLLM expanded its image placeholders into {len(out.prompt_token_ids)} ids, the "
-                    f"model's processor into {len(ids)}: sampler and trainer would see other prompts (a prompt "
-                    "expanded twice, or vLLM's image processor resizing otherwise than the trainer's)")
+            if images is not None and images[i] is not None:
+                check_expanded(i, list(out.prompt_token_ids), ids)
         completions = [c for (i, ids, _, _), out in zip(reqs, outputs)
                        for c in _completions(out, i, ids, extra["detokenize"])]
         if not extra["detokenize"]:
@@ -364,6 +366,15 @@ class VLLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_expanded(i: int, expanded: list[int], ids: list[int]) -> None:
+    """Refuse prompt `i` unless vLLM expanded its image placeholders into the processor's `ids`."""
+    if expanded != ids:
+        raise RuntimeError(
+            f"prompt {i}: vLLM expanded its image placeholders into {len(expanded)} ids, the model's processor into "
+            f"{len(ids)}: sampler and trainer would see other prompts (a prompt expanded twice, or vLLM's image "
+            "processor resizing otherwise than the trainer's)")
 
 
 def _prompt(ids: list[int], images: Images | None) -> Any:

@@ -1,9 +1,11 @@
 """A vLLM OpenAI-compatible server as a rollout engine (`VLLMServerEngine`), started here or attached by URL.
 
-It samples over HTTP (/v1/completions) and takes weights through its dev-mode /collective_rpc."""
+It samples over HTTP (/v1/completions; prompts with images /inference/v1/generate) and takes weights through its
+dev-mode /collective_rpc."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import logging
 import os
@@ -20,9 +22,11 @@ import torch
 
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest
+from tandem.rollout.vllm.engine import check_expanded
 from tandem.rollout.vllm.sampling import WORKER_EXTENSION, _finish, _requests, _sampling_kwargs, cpu_custom_ops
 from tandem.rollout.vllm.weights import Bucket, EngineWeights, SyncStats
 from tandem.rollout.vllm_worker import encode_weights
+from tandem.samples import Images
 from tandem.util.net import free_address
 
 log = logging.getLogger(__name__)
@@ -30,19 +34,24 @@ log = logging.getLogger(__name__)
 
 def _server_command(python: str, model_path: str, port: int, dtype: str, seed: int, tensor_parallel_size: int,
                     gpu_memory_utilization: float, enable_prefix_caching: bool, max_model_len: int | None,
-                    kv_cache_bytes: int | None, on_cpu: bool, enable_sleep: bool) -> list[str]:
+                    kv_cache_bytes: int | None, on_cpu: bool, enable_sleep: bool,
+                    mm_processor_kwargs: dict[str, Any] | None = None) -> list[str]:
     """The command line of a vLLM server on 127.0.0.1:`port` that samples and takes weights the way tandem needs:
-    processed logprobs and tandem's worker extension (its dev-mode /collective_rpc calls)."""
+    processed logprobs, tandem's worker extension (its dev-mode /collective_rpc calls), and the token-in/token-out
+    endpoint that takes a prompt's ids with its images (/inference/v1/generate, mounted by --enable-scale-out);
+    `mm_processor_kwargs` as VLLMEngine's."""
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tandem",
         "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", WORKER_EXTENSION, "--tensor-parallel-size", str(tensor_parallel_size),
-        "--gpu-memory-utilization", str(gpu_memory_utilization),
+        "--gpu-memory-utilization", str(gpu_memory_utilization), "--enable-scale-out",
     ]
     cmd.append("--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching")
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
+    if mm_processor_kwargs:
+        cmd += ["--mm-processor-kwargs", json.dumps(mm_processor_kwargs)]
     if on_cpu:
         cmd.append("--enforce-eager")
         ops = cpu_custom_ops(model_path)
@@ -72,9 +81,10 @@ def _check_loopback(url: str) -> None:
 class VLLMServerEngine:
     """A vLLM OpenAI-compatible server as a rollout engine: started here (loopback only) or attached by URL.
 
-    Generation goes through /v1/completions with token-id prompts; weight updates through the dev-mode
-    /collective_rpc endpoint into `TandemWorkerExtension`, as base64 safetensors buckets. A server started here
-    gets VLLM_SERVER_DEV_MODE=1 and the extension; an attached one must have been started the same way.
+    Generation goes through /v1/completions with token-id prompts, a prompt with images through
+    /inference/v1/generate (`generate`); weight updates through the dev-mode /collective_rpc endpoint into
+    `TandemWorkerExtension`, as base64 safetensors buckets. A server started here gets VLLM_SERVER_DEV_MODE=1, the
+    extension and --enable-scale-out; an attached one must have been started the same way.
     """
 
     def __init__(self, model_path: str, base_url: str | None = None, dtype: str = "float32", seed: int = 0,
@@ -82,10 +92,14 @@ class VLLMServerEngine:
                  gpu_memory_utilization: float = 0.5, sync_bucket_mb: int = 64, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, enable_sleep: bool = True, python: str = sys.executable,
                  device: str = "auto", startup_timeout_s: float = 600.0, request_timeout_s: float = 3600.0,
-                 extra_args: list[str] | None = None, log_path: str | None = None, cpu_bind: str | None = None) -> None:
+                 extra_args: list[str] | None = None, log_path: str | None = None, cpu_bind: str | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
         """`log_path`: where the server's stdout and stderr go (None: discarded). `cpu_bind`: the cores its CPU
         worker binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "2,3"); vLLM's `auto` binds
-        every server on a machine to the same first core."""
+        every server on a machine to the same first core. `mm_processor_kwargs`: what the server calls a
+        vision-language model's processor with, the trainer's too (`tandem.data.images.image_resize`), as
+        VLLMEngine's (a server attached by URL was started with them, or not: the ids it expands are checked either
+        way)."""
         self.updates = EngineWeights(str(model_path), dtype, sync_bucket_mb)
         self.model_path, self.dtype = str(model_path), self.updates.dtype
         self.request_timeout_s = request_timeout_s
@@ -100,7 +114,8 @@ class VLLMServerEngine:
             base_url = f"http://127.0.0.1:{port}"
             self._spawn(_server_command(python, self.model_path, port, dtype, seed, tensor_parallel_size,
                                         gpu_memory_utilization, enable_prefix_caching, max_model_len,
-                                        kv_cache_bytes, self.on_cpu, enable_sleep) + list(extra_args or []), cpu_bind)
+                                        kv_cache_bytes, self.on_cpu, enable_sleep, mm_processor_kwargs)
+                        + list(extra_args or []), cpu_bind)
         _check_loopback(base_url)
         self.base_url = base_url.rstrip("/")
         try:
@@ -184,41 +199,74 @@ class VLLMServerEngine:
 
     # ---- protocol
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 images: list[Images | None] | None = None) -> list[Completion]:
+        """As VLLMEngine.generate, over HTTP. `images`: a vision-language model's, one per prompt (None: a text
+        prompt): such a prompt goes to /inference/v1/generate with ONE placeholder per image and its images' files,
+        which the server's processor expands; the ids it reports are checked equal to the prompt's (the processor's
+        at load), so a prompt sent expanded already, which would be expanded twice, is refused."""
         reqs = _requests(prompts, sampling)
-        completions: list[Completion] = []
-        # One HTTP request per distinct (n, seed); the server batches the prompts of each request itself.
+
+        def pictured(i: int) -> Images | None:
+            return None if images is None else images[i]
+
+        # One /v1/completions request per distinct n for unseeded text prompts without per-prompt limits (the
+        # server batches the prompts of each itself); one request per prompt otherwise, and for every prompt with
+        # images (the endpoint takes one prompt).
+        batched = sampling.seed is None and not sampling.max_tokens
         batches: dict[tuple[int, int | None], list[tuple[int, list[int]]]] = {}
-        if sampling.seed is None and not sampling.max_tokens:
-            for i, ids, n, _ in reqs:
+        plan: list[tuple[tuple[int, int | None], list[tuple[int, list[int]]]]] = []
+        for i, ids, n, seed in reqs:
+            if batched and pictured(i) is None:
                 batches.setdefault((n, None), []).append((i, ids))
-        results: dict[int, list[Completion]] = {}
-        # one request per prompt when seeded or with per-prompt limits
-        plan = list(batches.items()) if sampling.seed is None and not sampling.max_tokens else \
-            [((n, s), [(i, ids)]) for i, ids, n, s in reqs]
+            else:
+                plan.append(((n, seed), [(i, ids)]))
+        plan = list(batches.items()) + plan
 
-        def run(key: tuple[int, int | None], items: list[tuple[int, list[int]]]) -> tuple[Any, list]:
+        def run(key: tuple[int, int | None], items: list[tuple[int, list[int]]]) -> list[Completion]:
             n, seed = key
-            body = self.completion_body([ids for _, ids in items], sampling, n, seed, sampling.limit(items[0][0]))
-            return self._post("/v1/completions", body), items
-
-        # Requests run concurrently so that the server batches them (one per prompt when seeded).
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(plan)))) as pool:
-            answers = list(pool.map(lambda kv: run(*kv), plan))
-        for ((n, _), _), (out, items) in zip(plan, answers):
+            i, ids = items[0]
+            pictures = pictured(i)
+            if pictures is not None:
+                return self._generate_pictured(i, ids, pictures, sampling, n, seed)
+            body = self.completion_body([ids for _, ids in items], sampling, n, seed, sampling.limit(i))
+            out = self._post("/v1/completions", body)
+            done = []
             for c in sorted(out["choices"], key=lambda c: c["index"]):
                 k, _ = divmod(c["index"], n)
-                i, ids = items[k]
                 toks = [int(t) for t in c["token_ids"]]
                 lps = [float(x) for x in c["logprobs"]["token_logprobs"]] if toks else []
-                results.setdefault(i, []).append(Completion(
-                    prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c["text"],
-                    finish_reason=_finish(c.get("finish_reason"), f"prompt {i}"), prompt_index=i,
-                    meta={"stop_reason": c.get("stop_reason")},
-                ))
-        for i in range(len(prompts)):
-            completions.extend(results.get(i, []))
-        return completions
+                done.append(_completion(*items[k], toks, lps, c))
+            return done
+
+        # Requests run concurrently so that the server batches them (one per prompt when seeded).
+        results: dict[int, list[Completion]] = {}
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(plan)))) as pool:
+            for done in pool.map(lambda kv: run(*kv), plan):
+                for c in done:
+                    results.setdefault(c.prompt_index, []).append(c)
+        return [c for i in range(len(prompts)) for c in results.get(i, [])]
+
+    def _generate_pictured(self, i: int, ids: list[int], images: Images, sampling: Sampling, n: int,
+                           seed: int | None) -> list[Completion]:
+        """`n` samples of prompt `i` (the processor's `ids`) with its images, through /inference/v1/generate."""
+        out = self._post("/inference/v1/generate", self.generate_body(images, sampling, n, seed, sampling.limit(i)))
+        check_expanded(i, [int(t) for t in out["prompt_token_ids"]], ids)
+        done = []
+        for c in sorted(out["choices"], key=lambda c: c["index"]):
+            toks = [int(t) for t in c["token_ids"]]
+            lps = [float(x["logprob"]) for x in c["logprobs"]["content"]] if toks else []
+            done.append(_completion(i, ids, toks, lps, c))
+        return done
+
+    def generate_body(self, images: Images, sampling: Sampling, n: int, seed: int | None, max_tokens: int) -> dict:
+        """An /inference/v1/generate request of one prompt with images: its ids with one placeholder per image
+        (`Images.engine_ids`) and each image's file as a data: URL, sampled as `completion_body`'s, answering with
+        the text, each sampled token's processed logprob and the prompt's ids as the server expanded them."""
+        params = dict(_sampling_kwargs(sampling, n, seed), max_tokens=max_tokens, detokenize=True)
+        return {"model": self.model_name, "token_ids": list(images.engine_ids),
+                "content_parts": [{"type": "image_url", "url": data_url(data)} for data in images.files],
+                "sampling_params": params, "return_token_ids": True, "output_mode": "text"}
 
     def completion_body(self, prompt: list, sampling: Sampling, n: int, seed: int | None, max_tokens: int) -> dict:
         """A /v1/completions request of token-id `prompt` (one prompt, or a list of them): `n` samples each, seeded,
@@ -231,8 +279,14 @@ class VLLMServerEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As VLLMEngine.load_weights, over HTTP: buckets travel as base64 safetensors through /collective_rpc."""
-        stats = self.updates.load(named_tensors, self._send, lambda: self._post("/reset_prefix_cache"))
+        stats = self.updates.load(named_tensors, self._send, self._reset_caches)
         self.last_sync_seconds, self.last_sync_bytes, self.last_sync_buckets = stats
+
+    def _reset_caches(self) -> None:
+        """As VLLMEngine._reset_caches, through the dev-mode endpoints: the prefix cache's KV and the images'
+        encodings (the vision tower's outputs, stale once its weights change)."""
+        self._post("/reset_prefix_cache")
+        self._post("/reset_encoder_cache")
 
     def _send(self, bucket: Bucket) -> None:
         self._rpc("tandem_load_weights", base64.b64encode(encode_weights(bucket)).decode(), self.updates.sync_path)
@@ -262,7 +316,7 @@ class VLLMServerEngine:
             return 0
         before = sum(int(x) for x in self._rpc("tandem_device_free_bytes"))
         self._request("POST", "/wake_up")
-        self._post("/reset_prefix_cache")
+        self._reset_caches()
         return max(0, before - sum(int(x) for x in self._rpc("tandem_device_free_bytes")))
 
     def close(self) -> None:
@@ -294,3 +348,19 @@ class VLLMServerEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _completion(i: int, ids: list[int], toks: list[int], lps: list[float], choice: dict) -> Completion:
+    """Prompt `i`'s completion from one choice of either endpoint's answer (its text and how it ended)."""
+    return Completion(prompt_ids=ids, completion_ids=toks, logprobs=lps, text=choice["text"],
+                      finish_reason=_finish(choice.get("finish_reason"), f"prompt {i}"), prompt_index=i,
+                      meta={"stop_reason": choice.get("stop_reason")})
+
+
+def data_url(data: bytes) -> str:
+    """An image file as a data: URL (RFC 2397, base64), its media type read from the file's header by PIL."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        media = Image.MIME.get(image.format or "", "application/octet-stream")
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
