@@ -278,6 +278,53 @@ def prompt_tokens(w: Workload, model: Path) -> int:
     return max(len(tok(r["question"])["input_ids"]) for r in train_rows(w, model))
 
 
+class TrlTimes:
+    """A TRL GRPOTrainer's seconds per step (`callback`) and per phase (`attach` wraps its generation, rewards and
+    scoring), and the completion tokens of each generation."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.raw: list[dict[str, float]] = []  # per step: rollout, reward, gen+score (which holds both)
+        self.tokens: list[int] = []
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        times, raw = self.times, self.raw
+
+        class StepTimer(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                self.start = time.perf_counter()
+                raw.append({"rollout": 0.0, "reward": 0.0, "gen+score": 0.0})
+
+            def on_step_end(self, args, state, control, **kw):
+                times.append(time.perf_counter() - self.start)
+
+        return StepTimer()
+
+    def attach(self, trainer) -> None:
+        def timed(name, fn, count_tokens=False):
+            def wrapper(*a, **k):
+                start = time.perf_counter()
+                res = fn(*a, **k)
+                self.raw[-1][name] += time.perf_counter() - start
+                if count_tokens:
+                    self.tokens.append(int(res["completion_mask"].sum()))
+                return res
+            return wrapper
+
+        trainer._generate = timed("rollout", trainer._generate)
+        trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+        trainer._generate_and_score_completions = timed("gen+score", trainer._generate_and_score_completions, True)
+
+    def phases(self) -> list[dict[str, float]]:
+        """Each step's rollout, reward, logprobs (the rest of generating and scoring: the reference forward and
+        bookkeeping) and update (the rest of the step)."""
+        return [{"rollout": p["rollout"], "reward": p["reward"],
+                 "logprobs": p["gen+score"] - p["rollout"] - p["reward"], "update": t - p["gen+score"]}
+                for p, t in zip(self.raw, self.times)]
+
+
 # ---------------------------------------------------------------------------------------------- TRL child
 
 
@@ -285,7 +332,6 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int, devic
             dtype: str = "float32", engine: str = "hf") -> dict:
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(threads)
@@ -295,17 +341,7 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int, devic
     def exact(prompts, completions, answer, **_):
         return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
-    times: list[float] = []
-    phases: list[dict[str, float]] = []
-    tokens: list[int] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.start = time.perf_counter()
-            phases.append({"rollout": 0.0, "reward": 0.0, "gen+score": 0.0})
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.start)
+    timer = TrlTimes()
 
     args = GRPOConfig(
         output_dir=str(out), use_cpu=device == "cpu", bf16=dtype == "bfloat16", fp16=False,
@@ -318,28 +354,11 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int, devic
         generation_kwargs={"min_new_tokens": w.new_tokens} if w.ignore_eos else None,
     )
     ds = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in train_rows(w, model)])
-    trainer = GRPOTrainer(model=str(model), reward_funcs=exact, args=args, train_dataset=ds, callbacks=[StepTimer()])
-
-    def timed(name, fn, count_tokens=False):
-        def wrapper(*a, **k):
-            start = time.perf_counter()
-            res = fn(*a, **k)
-            phases[-1][name] += time.perf_counter() - start
-            if count_tokens:
-                tokens.append(int(res["completion_mask"].sum()))
-            return res
-        return wrapper
-
-    trainer._generate = timed("rollout", trainer._generate)
-    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
-    trainer._generate_and_score_completions = timed("gen+score", trainer._generate_and_score_completions, True)
+    trainer = GRPOTrainer(model=str(model), reward_funcs=exact, args=args, train_dataset=ds,
+                          callbacks=[timer.callback()])
+    timer.attach(trainer)
     trainer.train()
-    out_phases = []
-    for p, t in zip(phases, times):
-        out_phases.append({"rollout": p["rollout"], "reward": p["reward"],
-                           "logprobs": p["gen+score"] - p["rollout"] - p["reward"],  # reference forward + bookkeeping
-                           "update": t - p["gen+score"]})
-    return {"times": times, "tokens": tokens, "phases": out_phases, "rss_mb": peak_rss_mb()}
+    return {"times": timer.times, "tokens": timer.tokens, "phases": timer.phases(), "rss_mb": peak_rss_mb()}
 
 
 # ---------------------------------------------------------------------------------------------- tandem child

@@ -45,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_trl import TrlTimes, matmul_gflops  # noqa: E402  (the TRL timing and the rate measurement, shared)
 from tandem.demo import VisionDemoSpec  # noqa: E402  (after the path: the bench runs from a checkout)
 
 G, KL, CLIP, LR, SEED = 8, 0.04, 0.2, 1e-5, 0
@@ -152,20 +153,6 @@ def letters(completion: str, prompt: str, row, **_) -> float:
 letters.inline = True  # cheap and bounded: tandem runs it in the trainer's process, as TRL runs its rewards
 
 
-def matmul_gflops(threads: int, seconds: float = 2.0) -> float:
-    """This machine's fp32 matmul rate at `threads` torch threads, on a training-sized GEMM (4096 x 512 x 1536)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    a, b, out = torch.randn(4096, 512), torch.randn(512, 1536), torch.empty(4096, 1536)
-    torch.mm(a, b, out=out)
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b, out=out)
-        n += 1
-    return 2 * 4096 * 512 * 1536 * n / (time.perf_counter() - start) / 1e9
-
-
 VISION_SIDE = ("model.vision_model.", "model.connector.")  # Idefics3's tower and the projection out of it
 
 
@@ -188,7 +175,6 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
     import torch
     from datasets import Dataset
     from PIL import Image
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(threads)
@@ -196,18 +182,7 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
     def reward(prompts, completions, answer, **_):
         return [letters(c[-1]["content"], "", {"answer": a}) for c, a in zip(completions, answer)]
 
-    times: list[float] = []
-    phases: list[dict[str, float]] = []
-    tokens: list[int] = []
-    prompt_ids: list[list[int]] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.start = time.perf_counter()
-            phases.append({"rollout": 0.0, "reward": 0.0, "gen+score": 0.0})
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.start)
+    timer, prompt_ids = TrlTimes(), []
 
     args = GRPOConfig(
         output_dir=str(out), use_cpu=True, bf16=False, fp16=False, model_init_kwargs={"dtype": torch.float32},
@@ -223,19 +198,9 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"].replace("<image>", "")}],
                              "image": Image.open(model / r["images"][0]).convert("RGB"), "answer": r["answer"]}
                             for r in rows])
-    trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=args, train_dataset=ds, callbacks=[StepTimer()])
+    trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=args, train_dataset=ds,
+                          callbacks=[timer.callback()])
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-
-    def timed(name, fn, count_tokens=False):
-        def wrapper(*a, **k):
-            start = time.perf_counter()
-            res = fn(*a, **k)
-            phases[-1][name] += time.perf_counter() - start
-            if count_tokens:
-                tokens.append(int(res["completion_mask"].sum()))
-            return res
-        return wrapper
-
     tokenize = trainer._tokenize_prompts
 
     def recorded(*a, **k):
@@ -244,16 +209,11 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
         return res
 
     trainer._tokenize_prompts = recorded
-    trainer._generate = timed("rollout", trainer._generate)
-    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
-    trainer._generate_and_score_completions = timed("gen+score", trainer._generate_and_score_completions, True)
+    timer.attach(trainer)
     trainer.train()
-    out_phases = [{"rollout": p["rollout"], "reward": p["reward"],
-                   "logprobs": p["gen+score"] - p["rollout"] - p["reward"],  # reference forward + bookkeeping
-                   "update": t - p["gen+score"]} for p, t in zip(phases, times)]
     after = {n: p.detach() for n, p in trainer.model.named_parameters()}
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    return {"times": times, "tokens": tokens, "phases": out_phases, "losses": losses,
+    return {"times": timer.times, "tokens": timer.tokens, "phases": timer.phases(), "losses": losses,
             "moved": weight_change(before, after), "prompt_ids": sorted({tuple(ids) for ids in prompt_ids})}
 
 

@@ -59,18 +59,13 @@ class Plan:
         rank keeps its place in `dst_shapes`, with nothing to receive where all it would receive is left out."""
         names = set(names)
         moves = [m for m in self.moves if m.name not in names]
-        sent: dict[int, int] = defaultdict(int)
-        received: dict[int, int] = defaultdict(int)
-        for m in moves:
-            if m.src != m.dst:
-                sent[m.src] += m.nbytes
-                received[m.dst] += m.nbytes
+        sent, received = _traffic(moves)
         moved = sum(sent.values())
         return Plan(moves, {n: p for n, p in self.params.items() if n not in names},
                     {r: {n: s for n, s in shapes.items() if n not in names} for r, shapes in self.dst_shapes.items()},
                     bytes_moved=moved, local_bytes=sum(m.nbytes for m in moves if m.src == m.dst),
                     lower_bound=moved,  # `plan` moves each parameter's missing bytes once: moved is the bound
-                    sent=dict(sent), received=dict(received), unchanging=self.unchanging - names)
+                    sent=sent, received=received, unchanging=self.unchanging - names)
 
 
 def _cells(box: Box, holders: list[tuple[int, Piece]]) -> list[Box]:
@@ -152,16 +147,21 @@ def plan(src: ModelLayout, dst: ModelLayout) -> Plan:
                     for (q, p), cells in chosen.items():
                         moves += [Move(name, q, r, box, p, dp, numel(box) * item) for box in _merge(cells)]
                     lower_bound += numel(b) * item
+    sent, received = _traffic(moves)
+    return Plan(moves, params, dst_shapes, bytes_moved=sum(sent.values()),
+                local_bytes=sum(m.nbytes for m in moves if m.src == m.dst), lower_bound=lower_bound,
+                sent=sent, received=received, unchanging=frozenset(n for n in dst if src[n].unchanging))
+
+
+def _traffic(moves: list[Move]) -> tuple[dict[int, int], dict[int, int]]:
+    """The bytes each rank sends and receives over the network in `moves` (a rank's moves to itself are copies)."""
     sent: dict[int, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)
     for m in moves:
         if m.src != m.dst:
             sent[m.src] += m.nbytes
             received[m.dst] += m.nbytes
-    return Plan(moves, params, dst_shapes, bytes_moved=sum(sent.values()),
-                local_bytes=sum(m.nbytes for m in moves if m.src == m.dst), lower_bound=lower_bound,
-                sent=dict(sent), received=dict(received),
-                unchanging=frozenset(n for n in dst if src[n].unchanging))
+    return dict(sent), dict(received)
 
 
 def plan_to_replicas(src: ModelLayout, ranks: Iterable[int]) -> Plan:

@@ -324,7 +324,8 @@ def _engine_after_sync(policy, model_dir: str) -> dict[str, torch.Tensor]:
     from tandem.workers.train import TrainWorker
 
     named = dict(policy.named_weights())
-    layout = TrainWorker.weight_layout(SimpleNamespace(mesh=policy.mesh, policy=policy), named)  # all it reads
+    worker = SimpleNamespace(mesh=policy.mesh, policy=policy, unchanging=frozenset())  # all weight_layout reads
+    layout = TrainWorker.weight_layout(worker, named)
     engine = HFEngine(model_dir)
     for bucket in Resharder(plan_to_replicas(layout, [0, 1]), dist.get_rank()).stream(named, out=engine.weights()):
         engine.load_weights(bucket)

