@@ -9,8 +9,6 @@ from tandem.config.base import ConfigError, Section, suggest
 from tandem.config.trackers import TRACKERS, missing
 
 
-
-
 class RunConfig(Section):
     name: str = Field(
         "run", description="Run name: the trackers' run name (run.report_to; TensorBoard names a run by its folder "

@@ -206,9 +206,7 @@ def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad
                     images: list[Images | None]) -> SharedPrompts | None:
     """The prompt-once layout of these rows; None when no prompt repeats (nothing to save), nothing is generated,
     or a prompt is a single token (nothing would be left to run once). A prompt is its ids and its images: two
-    pictures of one size under the same question have the same ids, and are two prompts. Rows with images take this
-    layout even when no prompt repeats: a completion may hold an image placeholder token (a model may sample one),
-    which a forward over the whole row, with the images, would take for an image's place."""
+    pictures of one size under the same question have the same ids, and are two prompts."""
     index: dict[tuple[tuple[int, ...], str], int] = {}
     first: dict[int, Images | None] = {}  # each distinct prompt's images
     of_row = []
@@ -216,8 +214,7 @@ def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad
         u = index.setdefault((tuple(p), im.key if im is not None else ""), len(index))
         first.setdefault(u, im)
         of_row.append(u)
-    repeats = len(index) < len(prompts) or any(im is not None for im in images)
-    if not repeats or T == 0 or min(map(len, prompts)) < 2:
+    if len(index) == len(prompts) or T == 0 or min(map(len, prompts)) < 2:
         return None
     heads = [list(p[:-1]) for p, _ in index]
     ids, attn = _left_pad(heads, max(map(len, heads)), pad_id)

@@ -141,8 +141,8 @@ def test_a_sampled_image_placeholder_is_trained_on_as_a_token(vlm):
     vision = VisionPrompts(load_processor(vlm), chat_template=False, system_prompt="")
     prompts = _prompts(vision)[:2]
     placeholder = vision.processor.tokenizer.convert_tokens_to_ids("<image>")
-    comps = [Completion(p.ids, [placeholder, 5, placeholder][:2 + k], [0.0] * (2 + k), "", "stop", k,
-                        images=vision.images(p)) for k, p in enumerate(prompts)]
+    comps = [Completion(p.ids, [placeholder, 5, placeholder][:2 + j], [0.0] * (2 + j), "", "stop", k,
+                        images=vision.images(p)) for k, p in enumerate(prompts) for j in range(2)]
     model, results = load_causal_lm(vlm), []
     for share in (True, False):
         (mb,) = make_micro_batches(Samples.of_call(comps, 2), 4096, 0, by_prompt=share)
