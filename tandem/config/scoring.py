@@ -14,7 +14,10 @@ class RewardSpec(Section):
         description="A registered reward (e.g. `arithmetic_exact`, `gsm8k`), a plugin `module:function`, `model` "
         "(a reward model: `path`), or `judge` (a generative judge: `path`, `template`, `verdict`, `engine`).",
     )
-    weight: float = Field(1.0, description="Weight in the summed reward.")
+    weight: float = Field(
+        1.0, allow_inf_nan=False, description="Weight in the summed reward. A weighted score that takes a sample's "
+        "total beyond float32's range (about 3.4e38, the dtype a step's rewards train in) is that reward's "
+        "`bad_value` error, scored 0, as a NaN or an inf score is.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
     path: str = Field(
         "", description="`name: model`: a local Hugging Face sequence-classification checkpoint with one output "

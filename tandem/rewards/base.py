@@ -128,7 +128,7 @@ def call_one(fn: Callable[..., Any], args: tuple, kwargs: Mapping) -> Outcome:
     except REWARD_FAILURES as exc:
         return None, "raised", repr(exc)[:500]
     try:
-        return _finite(value), "", ""
+        return finite_score(value), "", ""
     except REWARD_FAILURES as exc:
         return None, "bad_value", str(exc)[:500]
 
@@ -150,14 +150,20 @@ def call_batched(fn: Callable[..., Any], completions: list, prompts: list, rows:
             out.append((None, "raised", repr(value)[:500]))
             continue
         try:
-            out.append((_finite(value), "", ""))
+            out.append((finite_score(value), "", ""))
         except REWARD_FAILURES as exc:
             out.append((None, "bad_value", str(exc)[:500]))
     return out
 
 
-def _finite(value: Any) -> float:
-    """A score must be a real finite number (bools count as 0/1); anything else is an error."""
+# The largest float32 (torch.finfo(torch.float32).max, stated here since this layer imports no torch): a step's
+# rewards are a float32 tensor, where a score finite in float64 but larger than this is inf, and a group holding an
+# inf has advantages of 0 (no error, no warning). So a score, and a sample's weighted total, must stay within it.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def finite_score(value: Any) -> float:
+    """A score must be a real number finite in float32 (bools count as 0/1); anything else is an error."""
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (str, bytes)) or not (isinstance(value, (int, float)) or hasattr(value, "__float__")):
@@ -168,7 +174,16 @@ def _finite(value: Any) -> float:
         raise TypeError(f"returned {type(value).__name__}, whose float() raised {exc!r}"[:500]) from None
     if not math.isfinite(x):
         raise ValueError(f"returned non-finite {x}")
+    if abs(x) > FLOAT32_MAX:
+        raise ValueError(f"returned {x:g}, beyond float32's range (|score| <= {FLOAT32_MAX:.4g}), the dtype a step's "
+                         "rewards train in; scale the score down")
     return x
+
+
+def overflows(total: float, weighted: float) -> bool:
+    """Whether a sample's `total` with `weighted` added leaves float32's range (a NaN does too): summed scores
+    overflow as surely as one large one."""
+    return not abs(total + weighted) <= FLOAT32_MAX
 
 
 def default_workers() -> int:
@@ -324,25 +339,7 @@ class RewardScorer:
         if pooled and n:
             outcomes.update(self._pooled(pooled, completions, prompts, rows, deadline))
         seconds = time.monotonic() - start
-        total = [0.0] * n
-        per_fn: dict[str, list[float]] = {}
-        errors: dict[str, int] = {}
-        kinds: dict[str, dict[str, int]] = {}
-        last: dict[str, str] = {}
-        for e in self.entries:
-            scores = [0.0] * n
-            counts: dict[str, int] = {}
-            for i, (value, kind, message) in enumerate(outcomes.get(e.key, [])):
-                if value is None:
-                    counts[kind] = counts.get(kind, 0) + 1
-                    last[e.key] = f"{kind}: {message}"
-                    self._fail(e.key, kind, message, completions[i])
-                else:
-                    scores[i] = value
-                    total[i] += e.weight * value
-            per_fn[e.key] = scores
-            errors[e.key] = sum(counts.values())
-            kinds[e.key] = counts
+        total, per_fn, errors, kinds, last = self._tally(outcomes, completions)
         metrics: dict[str, float] = {}
         for e in self.entries:
             report = getattr(e.rf.fn, "metrics", None)
@@ -353,6 +350,38 @@ class RewardScorer:
             log.warning("the reward budget ran out after %.1f s (reward_pool.step_budget_s=%g); not scored, so 0: %s",
                         seconds, self.step_budget_s, ", ".join(f"{k} on {v} samples" for k, v in over.items()))
         return RewardResult(total, per_fn, errors, kinds, last, seconds / self.step_budget_s, metrics)
+
+    def _tally(self, outcomes: Mapping[str, list[Outcome]], completions: list[str]) -> tuple[
+            list[float], dict[str, list[float]], dict[str, int], dict[str, dict[str, int]], dict[str, str]]:
+        """Each sample's weighted total, each function's scores, and the failures counted by function and kind. A
+        score whose weighted value takes its sample's total beyond float32 (`overflows`) fails there, as a
+        `bad_value` of the function that added it."""
+        n = len(completions)
+        total = [0.0] * n
+        per_fn: dict[str, list[float]] = {}
+        errors: dict[str, int] = {}
+        kinds: dict[str, dict[str, int]] = {}
+        last: dict[str, str] = {}
+        for e in self.entries:
+            scores = [0.0] * n
+            counts: dict[str, int] = {}
+            for i, (value, kind, message) in enumerate(outcomes.get(e.key, [])):
+                if value is not None and overflows(total[i], e.weight * value):
+                    value, kind, message = None, "bad_value", (
+                        f"returned {value:g}, which weighted by {e.weight:g} takes the sample's total to "
+                        f"{total[i] + e.weight * value:g}, beyond float32's range (|total| <= {FLOAT32_MAX:.4g}), "
+                        "the dtype a step's rewards train in; scale the score or its weight down")
+                if value is None:
+                    counts[kind] = counts.get(kind, 0) + 1
+                    last[e.key] = f"{kind}: {message}"
+                    self._fail(e.key, kind, message, completions[i])
+                else:
+                    scores[i] = value
+                    total[i] += e.weight * value
+            per_fn[e.key] = scores
+            errors[e.key] = sum(counts.values())
+            kinds[e.key] = counts
+        return total, per_fn, errors, kinds, last
 
     def close(self) -> None:
         """Stop the worker pool and close what `builders` built (idempotent)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import Counter, defaultdict, deque
 from contextlib import contextmanager
@@ -14,11 +15,14 @@ from tandem.config import Config
 from tandem.data.sources import Prompt, PromptStream
 from tandem.run.vision import VisionPrompts
 from tandem.rewards import RewardScorer
+from tandem.rewards.base import FLOAT32_MAX, REWARD_FAILURES, finite_score, overflows
 from tandem.rollout import Rollout, Samples, Sampling
 from tandem.rollout.multiturn import conversation_stats
 from tandem.workers.group import Pending
 from tandem.workers.placement import Placement
 from tandem.workers.stream import StreamGroup, StreamReport
+
+log = logging.getLogger("tandem.run.source")
 
 STOP_POLL_S = 0.25  # how often a wait for samples looks for a stop request (its latency; each look is one ray.wait)
 
@@ -169,7 +173,7 @@ class RolloutSource:
             stats[name] += n
         totals, scores = list(res.total), dict(res.per_fn)
         if self.cfg.env.name:  # an environment's own rewards (StepResult.reward, summed per conversation) count too
-            own = [float(c.meta.get("env_reward") or 0.0) for c in rollout.samples.completions]
+            own = _env_rewards(rollout.samples.completions, totals, stats, errors, last_error)
             totals, scores["env"] = [a + b for a, b in zip(totals, own)], own
         return dataclasses.replace(rollout, rewards=torch.tensor(totals, dtype=torch.float32), scores=scores)
 
@@ -328,6 +332,33 @@ class RolloutSource:
             return batch
         stats["stream/stale_masked_frac"] = masked / max(total, 1)
         return dataclasses.replace(batch, samples=dataclasses.replace(batch.samples, completions=out))
+
+
+def _env_rewards(completions: list, totals: list[float], stats: dict, errors: Counter, last_error: dict
+                 ) -> list[float]:
+    """Each conversation's environment reward, held to a reward function's rule (`finite_score`, `overflows`: a
+    number finite in float32, alone and added to its sample's total): one that is not is the `env` reward's
+    `bad_value`, scored 0 and counted as a function's failure is (`reward/errors/env`, the error-rate stop)."""
+    own, failed = [], 0
+    for c, total in zip(completions, totals):
+        value = c.meta.get("env_reward") or 0.0
+        try:
+            score = finite_score(value)
+            if overflows(total, score):
+                raise ValueError(f"returned {score:g}, which takes the sample's total to {total + score:g}, beyond "
+                                 f"float32's range (|total| <= {FLOAT32_MAX:.4g}); scale the environment's reward down")
+        except REWARD_FAILURES as exc:
+            score, failed = 0.0, failed + 1
+            last_error["env"] = f"bad_value: {exc}"[:500]
+            if failed == 1:
+                log.warning("the environment's reward failed (bad_value; scored 0, counted in reward/errors/env): %s",
+                            exc)
+        own.append(score)
+    errors["env"] += failed
+    stats["reward/errors/env"] += failed
+    if failed:
+        stats["reward/errors/env/bad_value"] += failed
+    return own
 
 
 def _oldest(samples: Samples) -> int:

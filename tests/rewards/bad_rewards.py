@@ -163,3 +163,31 @@ def starts_sleeper_then_hangs(completion, prompt, row, pidfile=""):
     with open(pidfile, "w") as f:
         f.write(str(subprocess.Popen(["sleep", "600"], start_new_session=True).pid))
     time.sleep(10_000)
+
+
+
+def returns_huge(completion, prompt, row):
+    """Finite in float64 and beyond float32's range (its largest is about 3.4e38)."""
+    return 1e39
+
+
+def returns_huge_inline(completion, prompt, row):
+    return 1e39
+
+
+returns_huge_inline.inline = True
+
+
+def batch_returns_huge(completions, prompts, rows):
+    return [1e39 if c == "huge" else 1.0 for c in completions]
+
+
+batch_returns_huge.batched = True
+
+
+def right_is_3e38(completion, prompt, row):
+    """3e38 for a right answer: within float32's range alone; two such rewards summed are not."""
+    return 3e38 if completion == "right" else 0.0
+
+
+right_is_3e38.inline = True

@@ -92,3 +92,29 @@ ASYNC = {"backend": "ray", "mode": "split", "schedule": "async", "max_staleness"
 ])
 def test_the_old_logprob_source_is_decided_by_the_config(overrides, source):
     assert Config.model_validate(overrides).old_logprobs.value == source
+
+
+def test_an_environments_reward_beyond_float32_is_its_error_scored_0():
+    """An environment's own reward (StepResult.reward, summed per conversation) joins the total as a reward
+    function's score does, held to the same rule: one not finite in float32, alone or added to the total, is the
+    `env` reward's `bad_value` error, scored 0 and counted where the step's reward errors are (and in the error-rate
+    stop's input); the step's rewards stay finite."""
+    from collections import Counter, defaultdict
+
+    cfg = Config.model_validate({"batch": {"prompts_per_step": 1, "group_size": 4}, "env": {"name": "tools"}})
+    texts = ["1", "1", "3e38", "0"]
+    own = [1e39, float("nan"), 1e38, 0.5]  # beyond float32; NaN; 3e38 + 1e38 summed; fine
+
+    def score(texts, questions, rows):
+        scores = [float(t) for t in texts]
+        return RewardResult(total=scores, per_fn={"exact": scores})
+
+    source = RolloutSource(cfg, None, None, SimpleNamespace(score=score), "exact", 0, lambda: None)
+    comps = [Completion([0], [7], [0.0], t, "stop", 0, meta={"env_reward": r}) for t, r in zip(texts, own)]
+    stats, errors, last = defaultdict(float), Counter(), {}
+    batch = source._rewarded([Prompt([0], {"question": "q"})], Rollout(Samples.of_call(comps, 1)), stats, errors,
+                             last)
+    assert batch.rewards.isfinite().all() and batch.rewards.tolist() == pytest.approx([1.0, 1.0, 3e38, 0.5])
+    assert batch.scores["env"] == [0.0, 0.0, 0.0, 0.5]
+    assert stats["reward/errors/env"] == 3 and stats["reward/errors/env/bad_value"] == 3 and errors["env"] == 3
+    assert "beyond float32" in last["env"]
