@@ -306,6 +306,8 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
     _check_before_loading(cfg)
     vision = _vision(cfg)
     train_prompts, eval_prompts = _prompts(cfg, vision)
+    judge.check_fields(cfg.rewards, {"training": [p.row for p in train_prompts],
+                                     "held-out": [p.row for p in eval_prompts]})
     stop = stop or StopSignals()
     with ExitStack() as undo:  # what a start that fails before the run exists must close again
         lock, last = None, None

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from tandem.config.algo import GROUP_BASELINES, REGISTERED
 from tandem.config.base import ConfigError, suggest
+from tandem.config.scoring import VERDICT_DIGITS, template_fields
 
 if TYPE_CHECKING:
     from tandem.config.schema import Config
@@ -75,7 +76,8 @@ def _length(cfg: Config) -> None:
 
 # RewardSpec's fields that only some rewards read, by the reward that reads them
 READ_BY = {"path": ("model", "judge"), "normalize": ("model",), "batch_tokens": ("model",),
-           "template": ("judge",), "verdict": ("judge",), "engine": ("judge",), "max_new_tokens": ("judge",)}
+           "template": ("judge",), "verdict": ("judge",), "engine": ("judge",), "max_new_tokens": ("judge",),
+           "score_range": ("judge",)}
 
 
 def _rewards(cfg: Config) -> None:
@@ -99,6 +101,24 @@ def _rewards(cfg: Config) -> None:
             own = ", ".join(f for f, names in READ_BY.items() if spec.name in names)
             raise ConfigError(f"rewards[{i}].kwargs: {sorted(spec.kwargs)}: name: {spec.name} takes no kwargs; its "
                               f"settings are the fields {own}")
+        if spec.name == "judge":
+            _judge(i, spec)
+
+
+def _judge(i: int, spec) -> None:
+    """A judge's template (field names only: which fields the rows have is checked when the data loads,
+    tandem.rollout.judge.check_fields) and the range its verdicts are read in."""
+    template_fields(spec.template, f"rewards[{i}].template")
+    low, high = spec.score_range
+    shown = f"rewards[{i}].score_range: [{low}, {high}]"
+    if spec.verdict != "score" and spec.score_range != type(spec).model_fields["score_range"].default:
+        raise ConfigError(f"{shown} is read by verdict: score only, and this judge's verdict is {spec.verdict!r} "
+                          "(a completion scores 1 or 0); remove it, or set verdict: score")
+    if not low < high:
+        raise ConfigError(f"{shown} must hold low < high: the lowest and the highest score the template asks for")
+    if max(abs(low), abs(high)) >= 10 ** VERDICT_DIGITS:
+        raise ConfigError(f"{shown} holds scores a verdict cannot write: a <score> number has at most "
+                          f"{VERDICT_DIGITS} digits before its point; use a range within ±{10 ** VERDICT_DIGITS - 1}")
 
 
 def _data(cfg: Config) -> None:

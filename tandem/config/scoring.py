@@ -2,11 +2,52 @@
 scoring with time limits, and how held-out prompts are evaluated."""
 from __future__ import annotations
 
+import string
 from typing import Any, Literal
 
 from pydantic import Field
 
-from tandem.config.base import Section
+from tandem.config.base import ConfigError, Section
+
+# A judge's template fields besides the row's own: the prompt as the policy saw it, the completion (quoted: see
+# tandem.rollout.judge.quote) and the row's reference answer. Stated here so a config is checked without the judge.
+JUDGE_FIELDS = ("prompt", "completion", "reference")
+# The most digits a judge's <score> number has before its point, and after it: a verdict is a small number in a
+# stated range, and one of 39 digits is a float32 inf (the dtype a step's rewards train in).
+VERDICT_DIGITS = 6
+DEFAULT_SCORE_RANGE = (0.0, 1.0)  # the scores the default template asks for: 0 or 1
+
+
+def template_fields(template: str, setting: str, fields: str = "") -> list[str]:
+    """The field names `template` reads, in order. Anything but `{name}` is refused with a ConfigError naming
+    `setting`, the field and the fields there are (`fields`, else the built-in ones and the rows'): malformed
+    braces, positional fields, attribute or item access (which str.format would follow into any object) and
+    conversions or format specs (which run the value's own __format__, and may nest fields)."""
+    there = fields or ", ".join(f"{{{f}}}" for f in JUDGE_FIELDS) + " and the data's row fields (as {field})"
+    rule = f"a judge's template takes field names only: {there}; a literal brace is written {{{{ or }}}}"
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigError(f"{setting}: {template[:120]!r} is not a template str.format reads ({exc}); {rule}") from None
+    names = []
+    for _, name, spec, conversion in parts:
+        if name is None:  # literal text to the end
+            continue
+        shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        if name == "" or name.isdigit():
+            why = "is positional (the judge passes fields by name)"
+        elif "." in name or "[" in name:
+            base = name.split(".")[0].split("[")[0]
+            why = f"reads {'an attribute' if '.' in name.split('[')[0] else 'an item'} of {{{base}}}; write {{{base}}}"
+        elif conversion:
+            why = f"converts it (!{conversion}); write {{{name}}}"
+        elif spec:
+            why = f"formats it (:{spec}); write {{{name}}}"
+        else:
+            names.append(name)
+            continue
+        raise ConfigError(f"{setting}: {shown} {why}; {rule}")
+    return names
 
 
 class RewardSpec(Section):
@@ -37,16 +78,22 @@ class RewardSpec(Section):
     template: str = Field(
         "", description="`name: judge` only: the judge's prompt, a Python format string of {prompt} (as the policy "
         "saw it: a chat's last user turn), {completion}, {reference} (the row's `answer`, empty without one) and any "
-        "other field of the row; given as the user's turn of the judge's chat template where it has one. Empty = "
+        "other field of the row; given as the user's turn of the judge's chat template where it has one. Field names "
+        "only: malformed braces, positional fields ({0}, {}), attribute or item access ({prompt.x}, {row[0]}), "
+        "conversions (!r) and format specs (:>10) are refused when the config loads, a field the data's rows lack "
+        "when the data loads, both before any model loads; {{ and }} are literal braces. The completion enters "
+        "quoted: its <score> tags and the judge tokenizer's special-token strings written with &lt; and &gt;, so "
+        "that the policy can neither write the judge's verdict nor end its turn. Empty = "
         "tandem.rollout.judge.DEFAULT_TEMPLATE (grade against the reference, end with <score>1</score> or "
         "<score>0</score>).",
     )
     verdict: Literal["score", "answer"] = Field(
-        "score", description="`name: judge` only: how the score is read from the judge's greedy output. `score`: the "
-        "number in its first <score>...</score> tag. `answer`: the judge answers the problem itself (a template "
-        "without {completion}) and the completion scores 1 when its text, stripped, is the judge's output, "
-        "stripped, else 0. An output the rule cannot read scores 0 and is counted (`judge/<reward>/unreadable`, "
-        "and as a failing reward under reward_pool.max_error_rate).",
+        "score", description="`name: judge` only: how the score is read from the judge's greedy output (what it "
+        "generated, never its prompt). `score`: the number in its first <score>...</score> tag, of at most 6 digits "
+        "before its point and 6 after, within `score_range`. `answer`: the judge answers the problem itself (a "
+        "template without {completion}) and the completion scores 1 when its text, stripped, is the judge's "
+        "output, stripped, else 0. An output the rule cannot read, or a score outside `score_range`, scores 0 and "
+        "is counted (`judge/<reward>/unreadable`, and as a failing reward under reward_pool.max_error_rate).",
     )
     engine: Literal["hf", "vllm", "vllm_server"] = Field(
         "hf", description="`name: judge` only: what runs the judge, in the trainer's process: the embedded `hf` "
@@ -56,6 +103,12 @@ class RewardSpec(Section):
     )
     max_new_tokens: int = Field(
         64, ge=1, description="`name: judge` only: the longest verdict the judge may write (greedy).",
+    )
+    score_range: tuple[float, float] = Field(
+        DEFAULT_SCORE_RANGE, description="`name: judge`, `verdict: score` only: the lowest and the highest score "
+        "[low, high] the template asks for (the default template's 0 or 1; [0, 10] for a template grading 0-10). A "
+        "verdict outside it, or a <score> number of more than 6 digits before its point or after it, scores 0 and "
+        "is counted (`judge/<reward>/unreadable`), never clipped.",
     )
 
 

@@ -38,9 +38,9 @@ PLACEHOLDERS: dict[str, tuple[str, str]] = {
                          "`module:function`; a name listed twice: `<name>_2` the second time), or `env` for an "
                          "environment's own reward (`env.name`)"),
     "kind": (r"[a-z_]+", "how a reward failed on a sample: `raised` (an exception or sys.exit), `bad_value` (not a "
-                         "finite number), `timeout` (past `reward_pool.timeout_s`), `crashed` (its worker process "
-                         "died), `pool` (the worker pool failed), `budget` (not scored within "
-                         "`reward_pool.step_budget_s`)"),
+                         "number finite in float32, alone or weighted and summed into its sample's total), "
+                         "`timeout` (past `reward_pool.timeout_s`), `crashed` (its worker process died), `pool` "
+                         "(the worker pool failed), `budget` (not scored within `reward_pool.step_budget_s`)"),
     "error": (r"[a-z_]+", "how a tool call failed (`tandem.rollout.tools.base.ERRORS`): `bad_call`, `timeout`, "
                           "`crashed`, `too_long`"),
     "phase": (r"[a-z]+", "a colocated worker's phase: `generate`, `logprobs`, `update`, `sync`"),
@@ -119,9 +119,9 @@ GROUPS: dict[str, tuple[str, tuple[Metric, ...]]] = {
         Metric("judge/<reward>/samples", "count", "Samples of the last scoring (a text rendered for several is "
                "judged once).", written="a `name: judge` reward", demos=False),
         Metric("judge/<reward>/unreadable", "count", "Samples whose verdict the rule (`verdict`) could not read in "
-               "the judge's output: each scored 0 and counted in `reward/errors/<reward>/raised` too. Rising: the "
-               "judge's template or `max_new_tokens` does not fit it.", written="a `name: judge` reward",
-               demos=False),
+               "the judge's output, or whose score lies outside the judge's `score_range`: each scored 0 and counted "
+               "in `reward/errors/<reward>/raised` too. Rising: the judge's template, `max_new_tokens` or "
+               "`score_range` does not fit it.", written="a `name: judge` reward", demos=False),
     )),
     "Advantage": ("What the policy gradient weighs each sample by (`algo.advantage`).", (
         Metric("advantage/mean", "advantage", "Mean advantage over the step's samples (reward units, or group "
