@@ -47,7 +47,7 @@ def test_the_trainer_sees_each_file_upright_on_white_and_16_bit_scaled():
     _same(_trainers(), _expected())
 
 
-def test_a_vllm_server_is_sent_the_trainers_pixels_not_the_file():
+def test_a_server_engine_is_sent_the_trainers_pixels_not_the_file():
     from tandem.rollout.vllm.server import VLLMServerEngine
 
     engine = object.__new__(VLLMServerEngine)  # no server: the request body alone
@@ -64,7 +64,7 @@ def test_a_vllm_server_is_sent_the_trainers_pixels_not_the_file():
     _same(sent, _expected())
 
 
-def test_vllm_in_process_is_given_the_trainers_pixels(monkeypatch):
+def test_the_in_process_engine_is_given_the_trainers_pixels(monkeypatch):
     from tandem.rollout.vllm.engine import _prompt
 
     inputs = types.ModuleType("vllm.inputs")  # vLLM's TokensPrompt is a dict; importing vLLM here would alter us
