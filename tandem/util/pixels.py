@@ -71,9 +71,9 @@ def orientation(image: Image.Image) -> int:
     it: the pixels stand as stored."""
     try:
         value = image.getexif().get(ORIENTATION, 1)
-    except (OSError, ValueError, SyntaxError, KeyError, TypeError):
+    except Exception:  # EXIF is free-form metadata that PIL parses loosely: any failure reads as no orientation
         return 1
-    return value if value in UPRIGHT else 1
+    return value if isinstance(value, int) and value in UPRIGHT else 1
 
 
 def _rgb(image: Image.Image) -> Image.Image:
