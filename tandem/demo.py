@@ -791,13 +791,12 @@ def build_vision_processor(spec: VisionDemoSpec, tokenizer):
 
 def vision_inputs(processor, rows: list[dict], pictures: list | None = None) -> dict:
     """The processor's tensors for rows' prompts and pictures (each row's own, decoded, unless `pictures` is given:
-    one PIL image per row): input_ids, attention_mask, pixel_values, pixel_attention_mask."""
-    import io
-
-    from PIL import Image
+    one PIL image per row, else decoded as a run decodes them): input_ids, attention_mask, pixel_values,
+    pixel_attention_mask."""
+    from tandem.util.pixels import decode
 
     if pictures is None:
-        pictures = [Image.open(io.BytesIO(r["images"][0])).convert("RGB") for r in rows]
+        pictures = [decode(r["images"][0]) for r in rows]
     return dict(processor(text=[r["question"] for r in rows], images=[[p] for p in pictures], return_tensors="pt"))
 
 

@@ -17,8 +17,10 @@ class Images:
     key: str  # a hash of the images' files: two prompts with the same ids and other pictures differ by it
     names: tuple[str, ...]  # what samples files show: the images' paths, or `row <i> image <k>`
     tensors: dict[str, torch.Tensor]
-    # for vLLM, which runs the processor itself: the images' files, and the prompt's ids with ONE placeholder token
-    # per image (vLLM expands each; the expanded ids, `Completion.prompt_ids`, are checked equal to the processor's)
+    # for vLLM, which runs the processor itself: the images' files (decoded for it as the trainer's processor is
+    # given them, `tandem.util.pixels.decode`; a server is sent those pixels, never the file), and the prompt's ids
+    # with ONE placeholder token per image (vLLM expands each; the expanded ids, `Completion.prompt_ids`, are checked
+    # equal to the processor's)
     files: tuple[bytes, ...] = ()
     engine_ids: tuple[int, ...] = ()
 

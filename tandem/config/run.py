@@ -170,10 +170,14 @@ class DataConfig(Section):
     )
     image_field: str = Field(
         "images", min_length=1, description="Row field holding the row's images (a list, or one): each a path "
-        "(relative to the data file's folder, or to a dataset folder; or absolute), bytes, a `{bytes, path}` dict "
-        "(a `datasets` Image feature) or a PIL image. Their number must equal the prompt's placeholders (`<image>` "
-        "in text, `{type: image}` chat content parts). Each is read and checked before any model loads; a "
-        "text-only model given rows with images is refused, naming the first (it would never see them).",
+        "(relative to the data file's folder, or to a dataset folder; or absolute), a `data:` URL "
+        "(`data:image/png;base64,...`), bytes, a `{bytes, path}` dict (a `datasets` Image feature) or a PIL image, "
+        "in a format vLLM reads (PNG, JPEG, WEBP, GIF, BMP, TIFF, ...; not EPS: docs/guides/data.md lists them). "
+        "Their number must equal the prompt's placeholders (`<image>` in text, `{type: image}` chat content parts). "
+        "Each is read, checked and decoded whole before any model loads (a broken one is refused with its file and "
+        "line), and decoded one way for trainer and engines alike (EXIF orientation applied, transparency on "
+        "white, 16-bit greyscale as its top 8 bits). A text-only model given rows with images is refused, naming "
+        "the first (it would never see them).",
     )
     max_pixels: int = Field(
         12845056, ge=1, description="The most pixels (width x height) an image may have; a row with a bigger one is "

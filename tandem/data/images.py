@@ -1,22 +1,29 @@
-"""Images in data rows: each read as its encoded file and checked (found, readable, within data.max_pixels), counted
-against the prompt's image placeholders; and the refusal of rows with images while tandem trains text-only models."""
+"""Images in data rows: each read as its encoded file and checked at load (found, in an allowed format, within
+data.max_pixels, decoded whole), counted against the prompt's image placeholders; and the refusal of rows with images
+for a text-only model. Every consumer sees an image's pixels through one decoding, `decode`
+(`tandem.util.pixels`: EXIF orientation applied, transparency on white, 16-bit greyscale scaled to 8 bits)."""
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import math
 import json
+import urllib.parse
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from PIL import Image as PILImage
 
 from tandem.data.rows import DataError, row_at
+from tandem.util.pixels import FORMATS, allowed, decode, decoded_size, open_image
 
 IMAGE_TOKEN = "<image>"  # a text prompt's placeholder (ms-swift; geometry3k's `problem`), chat text parts' too
 PART_TYPES = ("text", "image")  # the chat content parts tandem reads (TRL's and HF's)
-ITEM_KINDS = ("a path (relative to the data file's folder, or absolute), bytes, a {'bytes', 'path'} dict (a "
-              "`datasets` Image feature) or a PIL image")
+ITEM_KINDS = ("a path (relative to the data file's folder, or absolute), a data: URL, bytes, a {'bytes', 'path'} "
+              "dict (a `datasets` Image feature) or a PIL image")
 
 
 @dataclass(frozen=True)
@@ -27,15 +34,21 @@ class Image:
     data: bytes = field(repr=False)
 
     def load(self) -> PILImage.Image:
-        """The decoded image, in RGB."""
-        with PILImage.open(io.BytesIO(self.data)) as image:
-            return image.convert("RGB")
+        """The decoded image, in RGB, as every consumer sees it (`decode`)."""
+        return decode(self.data)
 
-    @property
+    @cached_property
     def size(self) -> tuple[int, int]:
-        """(width, height), from the file's header: PIL decodes no pixels for it."""
-        with PILImage.open(io.BytesIO(self.data)) as image:
-            return image.size
+        """(width, height) as decoded (`load`): a photo whose EXIF turns it on its side has its stored height as its
+        width. The processor counts the prompt's image tokens on it; `check` keeps it from its decode."""
+        return decoded_size(self.data)
+
+    def check(self) -> None:
+        """Decode the whole file once, raising what PIL raises for a broken one (checksums first: `verify` reads a
+        PNG's, which decoding skips); the decoded size is kept (`size`), so it is not decoded again for it."""
+        with open_image(self.data) as fresh:
+            fresh.verify()
+        self.__dict__["size"] = self.load().size  # cached_property's own slot (the dataclass is frozen)
 
 
 def attach_images(rows: list[dict], image_field: str, folder: Path | None, max_pixels: int, source: str) -> None:
@@ -77,6 +90,8 @@ def _read_item(item, k: int, folder: Path | None, at: str, label: str) -> Image:
         return Image(f"{label} image {k}", _png(item))
     if isinstance(item, (bytes, bytearray, memoryview)):
         return Image(f"{label} image {k}", bytes(item))
+    if isinstance(item, str) and item.startswith("data:"):
+        return Image(f"{label} image {k}", _data_url(item, k, at))
     if isinstance(item, str):
         return Image(item, _read_file(item, k, folder, at))
     raise DataError(f"{at}: image {k} is a {type(item).__name__}; an image is {ITEM_KINDS} (a field that holds "
@@ -84,7 +99,11 @@ def _read_item(item, k: int, folder: Path | None, at: str, label: str) -> Image:
 
 
 def _png(image: PILImage.Image) -> bytes:
-    """A decoded image encoded once, as PNG (lossless); modes PNG cannot hold (CMYK, ...) as RGB."""
+    """A decoded image encoded once, as PNG (lossless), its pixels as they are (no EXIF: `datasets` has applied its
+    orientation already); 32-bit greyscale as 16-bit (what a PNG holds, and a 16-bit PNG opens as), other modes PNG
+    cannot hold (CMYK, ...) as RGB."""
+    if image.mode == "I":
+        image = image.convert("I;16")
     out = io.BytesIO()
     try:
         image.save(out, format="PNG")
@@ -92,6 +111,22 @@ def _png(image: PILImage.Image) -> bytes:
         out = io.BytesIO()
         image.convert("RGB").save(out, format="PNG")
     return out.getvalue()
+
+
+def _data_url(url: str, k: int, at: str) -> bytes:
+    """The file a data: URL (RFC 2397) holds: `data:image/png;base64,...` as verifiers' and OpenAI-style datasets
+    write an inline image, or percent-encoded; its media type is not trusted (the check reads the file itself)."""
+    head, comma, payload = url.partition(",")
+    if not comma:
+        raise DataError(f"{at}: image {k} is a data: URL with no ',' before its data; write it as "
+                        "data:image/png;base64,<the file in base64>")
+    if not head.endswith(";base64"):
+        return urllib.parse.unquote_to_bytes(payload)
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except binascii.Error as exc:
+        raise DataError(f"{at}: image {k} is a data: URL whose base64 does not decode ({exc}); write it as "
+                        "data:image/png;base64,<the whole file in base64>") from None
 
 
 def _read_file(path: str, k: int, folder: Path | None, at: str) -> bytes:
@@ -113,15 +148,39 @@ def _read_file(path: str, k: int, folder: Path | None, at: str) -> bytes:
 
 
 def _check_image(image: Image, k: int, at: str, max_pixels: int) -> None:
-    """An image PIL identifies (from its header), within `max_pixels`."""
-    try:
-        width, height = image.size
-    except (OSError, PILImage.DecompressionBombError) as exc:
-        raise DataError(f"{at}: image {k} ({image.name}) is no image PIL can read ({exc}); give a whole PNG, JPEG, "
-                        "... file (a repository cloned without git-lfs holds pointers instead of its images)") from None
+    """An image PIL identifies from its header, in an allowed format (`FORMATS`), within `max_pixels`, then decoded
+    whole: a file broken past its header is refused here, naming its row, not at a step after the models loaded."""
+    width, height = _header_size(image, k, at, max_pixels)
     if width * height > max_pixels:
         raise DataError(f"{at}: image {k} ({image.name}) is {width}x{height} = {width * height} pixels, over "
                         f"data.max_pixels={max_pixels}; resize the images, or raise data.max_pixels")
+    try:
+        image.check()
+    except Exception as exc:  # PIL raises many kinds for a broken file (OSError, SyntaxError, struct.error, ...)
+        raise DataError(f"{at}: image {k} ({image.name}) is broken: {type(exc).__name__}: {exc}; give a whole PNG, "
+                        "JPEG, ... file (a download cut short or a damaged copy: replace it, or re-encode it from a "
+                        "good copy)") from None
+
+
+def _header_size(image: Image, k: int, at: str, max_pixels: int) -> tuple[int, int]:
+    """(width, height) from the file's header, any format PIL knows opened to name it; refused outside `FORMATS`."""
+    try:
+        with PILImage.open(io.BytesIO(image.data)) as header:  # a header only: no format decodes anything here
+            kind, size = header.format, header.size
+    except PILImage.DecompressionBombError as exc:
+        limit = 2 * (PILImage.MAX_IMAGE_PIXELS or 0)
+        over = (f"over data.max_pixels={max_pixels}" if max_pixels < limit else
+                f"within data.max_pixels={max_pixels} but over the {limit} pixels PIL opens at most")
+        raise DataError(f"{at}: image {k} ({image.name}) is {over}: PIL refuses it as a decompression bomb ({exc}); "
+                        "resize the images") from None
+    except OSError as exc:
+        raise DataError(f"{at}: image {k} ({image.name}) is no image PIL can read ({exc}); give a whole PNG, JPEG, "
+                        "... file (a repository cloned without git-lfs holds pointers instead of its images)") from None
+    if not allowed(kind):
+        raise DataError(f"{at}: image {k} ({image.name}) is {kind}, which tandem does not read (decoding it would run "
+                        "another program on the file, or PIL cannot decode it itself; vLLM refuses it too); allowed: "
+                        f"{', '.join(FORMATS)}: convert it to PNG or JPEG")
+    return size
 
 
 def _placeholders(prompt: str | list[dict]) -> int:
@@ -173,28 +232,36 @@ def _check_placeholders(row: dict, count: int, image_field: str, at: str) -> Non
 
 
 def refuse_image_rows(rows: list[dict], source: str, image_field: str, model_path: str = "") -> None:
-    """Refuse rows with images (the first one named): tandem trains text-only models, which would see only the
-    placeholder text; `model_path` (a model folder) says whether the model is one."""
+    """Refuse rows with images (the first one named) where the prompts are read as text: a text-only model would see
+    only the placeholder text. `model_path` (a model folder) is named, with what its config.json says it is."""
     for i, row in enumerate(rows, 1):
         if row.get("_images"):
             raise DataError(f"{row_at(source, row, i)}: the row carries {len(row['_images'])} image(s) (field "
-                            f"{image_field!r}), but tandem's vision-language support is not built yet (issue 47): "
-                            f"a text-only model would see only the placeholder text ({IMAGE_TOKEN!r}), never the "
-                            f"images{_model_kind(model_path)}. Train on rows without images and placeholders")
+                            f"{image_field!r}), but {_why_no_images(model_path)}")
 
 
-def _model_kind(model_path: str) -> str:
-    """`; model.path ... is a text-only model` where its config.json has no vision_config; empty where unknown."""
+def _why_no_images(model_path: str) -> str:
+    vision = _has_vision_config(model_path)
+    if vision:  # only a caller that reads a vision-language model's prompts without its processor gets here
+        return (f"the prompts were read without the processor of model.path {model_path!r}, a vision-language model "
+                "(its config.json has a vision_config): read them with its tandem.run.vision.VisionPrompts (pass "
+                "its `ids` as load_prompts' render)")
+    model = ("the model is text-only" if vision is None else
+             f"model.path {model_path!r} is a text-only model (its config.json has no vision_config)")
+    return (f"{model}: it would see only the placeholder text ({IMAGE_TOKEN!r}), never the images. Point model.path "
+            "at a vision-language model (one whose config.json has a vision_config: Idefics3, SmolVLM, Qwen2.5-VL), "
+            "or train on rows without images and placeholders")
+
+
+def _has_vision_config(model_path: str) -> bool | None:
+    """Whether the model folder's config.json has a vision_config; None where there is none to read."""
     if not model_path:
-        return ""
+        return None
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return ""
-    if "vision_config" in config:
-        return (f"; model.path {model_path!r} is a vision-language model (its config.json has a vision_config), "
-                "which tandem would train as a text-only one")
-    return f"; model.path {model_path!r} is such a text-only model (its config.json has no vision_config)"
+        return None
+    return "vision_config" in config
 
 
 # How an image processor (its `image_processor_type`) takes a pixel bound (`image_resize`): Qwen2-VL's

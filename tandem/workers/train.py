@@ -20,7 +20,19 @@ from tandem.workers.group import WorkerContext
 
 
 class SamplerMismatch(RuntimeError):
-    """The sampler's logprobs disagree with the trainer's beyond rollout.max_logprob_diff (a bad weight sync)."""
+    """The sampler's logprobs disagree with the trainer's beyond rollout.max_logprob_diff (a bad weight sync; with
+    images in the prompts, possibly other pixels or image tokens)."""
+
+
+def _images_note(names: tuple[str, ...]) -> str:
+    """What a sampler mismatch says of the step's prompt images (none: nothing): the weights may be right and the
+    pictures not, which no weight sync fixes."""
+    if not names:
+        return ""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"The prompts hold images ({shown}): the sampler may have seen other pixels or image tokens than the "
+            "trainer (an image decoded or resized otherwise: data.max_pixels and data.min_pixels must reach both "
+            "alike), so the weights may not be at fault. ")
 
 
 class TrainWorker:
@@ -66,6 +78,7 @@ class TrainWorker:
         self.unchanging = self.policy.frozen if engine_keeps_weights(cfg, self.ctx.device) else frozenset()
         self.sent_once = SentOnce(self.to_engine.sources_of(dict.fromkeys(self.unchanging)))  # the engine's names
         self._step: PreparedStep | None = None  # prepared, not yet trained on
+        self._images: tuple[str, ...] = ()  # the prepared step's prompts' images, by name (a mismatch names them)
         self._idle_since = time.perf_counter()  # see `finished`
 
     def finished(self) -> float:
@@ -78,6 +91,8 @@ class TrainWorker:
         """Lay this worker's share of the step out for training and score old/reference logprobs. Returns each row's
         KL penalty ([N]) when `algo.kl_in_reward` is on, else None."""
         start = time.perf_counter()
+        self._images = tuple(dict.fromkeys(n for c in samples.completions if c.images is not None
+                                           for n in c.images.names))
         step = self.policy.prepare(self._lay_out(samples), len(samples))
         step.times.update({"time/trainer_idle": start - self._idle_since, "time/logprobs": time.perf_counter() - start})
         self._step = step
@@ -129,9 +144,9 @@ class TrainWorker:
         raise SamplerMismatch(
             f"the sampler's logprobs differ from the trainer's by {mean:.3g} per token (max {worst:.3g}), over "
             f"rollout.max_logprob_diff={bound:g}: the {engine} engine is not sampling with the trainer's weights, "
-            f"so this step was stopped before training on its samples. {which} A bad weight sync is the usual "
-            "cause; if the difference is expected (a numerics change), raise rollout.max_logprob_diff, or set it "
-            "to null to turn the check off.")
+            f"so this step was stopped before training on its samples. {which} {_images_note(self._images)}A bad "
+            "weight sync is the usual cause; if the difference is expected (a numerics change), raise "
+            "rollout.max_logprob_diff, or set it to null to turn the check off.")
 
     # -- weights out: split placement sends to the samplers --------------------------------------------------
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image as PILImage
+from PIL import ImageOps
 
 from tandem.config import ConfigError, load_config
 from tandem.data.images import Image, attach_images, refuse_image_rows
@@ -103,7 +104,8 @@ def test_decoded_images_and_bytes_are_taken_as_they_come():
      r"t\.jsonl:2: image 0 \(big\.png\) is 20x10 = 200 pixels, over data\.max_pixels=199; resize the images, or "
      r"raise data\.max_pixels"),
     ({"question": "<image>hi", "images": [3]},
-     r"t\.jsonl:2: image 0 is a int; an image is a path \(relative to the data file's folder, or absolute\), bytes"),
+     r"t\.jsonl:2: image 0 is a int; an image is a path \(relative to the data file's folder, or absolute\), a "
+     r"data: URL, bytes"),
     ({"question": "<image>hi", "images": ["https://example.com/a.png"]},
      r"t\.jsonl:2: image 0 \(https://example\.com/a\.png\) is a URL; tandem downloads nothing"),
 ], ids=["missing", "unreadable", "no-placeholder", "no-images", "two-for-one", "over-max-pixels", "int", "url"])
@@ -146,14 +148,160 @@ def test_a_run_on_rows_with_images_is_refused_before_any_model_loads(tmp_path, t
     cfg = load_config(None, ["data.task=jsonl", f"data.path={path}", f"model.path={tiny_model}",
                              f"run.output_dir={tmp_path / 'run'}", "run.progress=false"])
     with pytest.raises(DataError, match=re.escape(
-            f"t.jsonl:2: the row carries 1 image(s) (field 'images'), but tandem's vision-language support is not "
-            f"built yet (issue 47): a text-only model would see only the placeholder text ('<image>'), never the "
-            f"images; model.path '{tiny_model}' is such a text-only model (its config.json has no vision_config)")):
+            f"t.jsonl:2: the row carries 1 image(s) (field 'images'), but model.path '{tiny_model}' is a text-only "
+            f"model (its config.json has no vision_config): it would see only the placeholder text ('<image>'), never "
+            f"the images. Point model.path at a vision-language model (one whose config.json has a vision_config: "
+            f"Idefics3, SmolVLM, Qwen2.5-VL), or train on rows without images and placeholders")):
         start_run(cfg, claim_output_dir=False)  # `tandem eval`'s start; `tandem train` and `demo` start the same
 
 
 def test_a_vision_language_model_is_named_as_one(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "idefics3", "vision_config": {}}))
     rows = [{"question": "<image>", "_images": [Image("a.png", b"")], "_line": 3}]
-    with pytest.raises(DataError, match=r"d\.jsonl:3: .*issue 47.*; model\.path '.*' is a vision-language model"):
+    with pytest.raises(DataError, match=r"d\.jsonl:3: .*, but the prompts were read without the processor of "
+                                        r"model\.path '.*', a vision-language model"):
         refuse_image_rows(rows, "d.jsonl", "images", str(tmp_path))
+    with pytest.raises(DataError, match=r"d\.jsonl:3: .*, but the model is text-only: .*Point model\.path at a "
+                                        r"vision-language model"):
+        refuse_image_rows(rows, "d.jsonl", "images")
+
+
+# -- one decoding for every consumer, and whole images at load ---------------------------------------------------
+
+
+def encoded(image: PILImage.Image, fmt: str = "PNG", **kw) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt, **kw)
+    return out.getvalue()
+
+
+def sideways(fmt: str = "PNG") -> bytes:
+    """A 4x2 photo stored as the camera saw it, with EXIF orientation 6: shown turned 90 degrees clockwise (2x4),
+    as `datasets`, transformers' loaders and image viewers show it."""
+    image = PILImage.new("RGB", (4, 2), (255, 0, 0))
+    image.putpixel((0, 0), (0, 0, 255))
+    exif = PILImage.Exif()
+    exif[274] = 6
+    return encoded(image, fmt, exif=exif)
+
+
+def transparent() -> bytes:
+    """2x1 RGBA: a fully transparent red pixel, then an opaque blue one."""
+    image = PILImage.new("RGBA", (2, 1))
+    image.putdata([(255, 0, 0, 0), (0, 0, 255, 255)])
+    return encoded(image)
+
+
+def grey16(value: int = 40000) -> bytes:
+    """A 16-bit greyscale PNG (mode I;16) of one shade: 40000 of 65535, which is 156 of 255 in its top 8 bits."""
+    return encoded(PILImage.new("I;16", (3, 2), value))
+
+
+def upright(data: bytes) -> PILImage.Image:
+    """What `datasets` shows for a file: its EXIF orientation applied."""
+    return ImageOps.exif_transpose(PILImage.open(io.BytesIO(data))).convert("RGB")
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_an_exif_rotated_photo_is_decoded_upright_as_datasets_shows_it(fmt):
+    data = sideways(fmt)
+    image = Image("photo", data)
+    assert image.size == (2, 4)  # the decoded size: the prompt's image tokens are counted on it
+    decoded = image.load()
+    assert (decoded.mode, decoded.size) == ("RGB", (2, 4))
+    assert decoded.tobytes() == upright(data).tobytes()
+    # nothing left for a consumer that applies EXIF again (vLLM does) to turn it once more
+    assert decoded.getexif().get(274) is None and ImageOps.exif_transpose(decoded).size == (2, 4)
+
+
+def test_transparency_is_composited_on_white_not_dropped_to_black():
+    assert Image("a", transparent()).load().tobytes() == bytes([255, 255, 255, 0, 0, 255])
+    la = PILImage.new("LA", (1, 1), (10, 0))  # transparent grey
+    palette = PILImage.new("P", (2, 1), 0)
+    palette.putpalette([9, 9, 9, 200, 0, 0] + [0, 0, 0] * 254)
+    palette.putpixel((1, 0), 1)
+    assert Image("la", encoded(la)).load().tobytes() == bytes([255, 255, 255])
+    assert Image("p", encoded(palette, transparency=0)).load().tobytes() == bytes([255, 255, 255, 200, 0, 0])
+
+
+def test_16_bit_greyscale_keeps_its_top_8_bits_not_clipped_to_white():
+    assert set(Image("g", grey16(40000)).load().tobytes()) == {156}
+    assert set(Image("g", grey16(65535)).load().tobytes()) == {255}
+    assert set(Image("g", encoded(PILImage.new("I", (2, 2), 512), "TIFF")).load().tobytes()) == {2}  # mode I
+    rows = [{"question": "<image>", "images": [PILImage.new("I", (2, 2), 40000)], "_row": 1}]  # decoded already
+    attach_images(rows, "images", None, 100, "mem")
+    assert set(rows[0]["_images"][0].load().tobytes()) == {156}
+
+
+def test_cmyk_and_bilevel_images_decode_to_rgb():
+    red = Image("c", encoded(PILImage.new("CMYK", (1, 1), (0, 255, 255, 0)), "JPEG")).load()
+    assert red.mode == "RGB" and red.getpixel((0, 0))[0] > 200
+    assert Image("b", encoded(PILImage.new("1", (1, 1), 1))).load().tobytes() == bytes([255, 255, 255])
+
+
+def truncated_png() -> bytes:
+    data = encoded(PILImage.effect_noise((32, 32), 60).convert("RGB"))  # noise: the cut lands in the pixels
+    return data[: len(data) * 2 // 3]
+
+
+def flipped_png() -> bytes:
+    """A PNG with one byte of its pixel data (IDAT) flipped: its header is whole, its checksum wrong."""
+    data = bytearray(encoded(PILImage.effect_noise((32, 32), 60).convert("RGB")))
+    at = data.index(b"IDAT") + 4 + 20
+    data[at] ^= 0xFF
+    return bytes(data)
+
+
+def eps() -> bytes:
+    """An EPS file as PIL writes one (no Ghostscript needed to write; decoding it runs Ghostscript)."""
+    return encoded(PILImage.new("RGB", (4, 3), (1, 2, 3)), "EPS")
+
+
+@pytest.mark.parametrize("make, message", [
+    (truncated_png, r"image 0 \(bad\.png\) is broken: .*[Tt]runcated.*; give a whole PNG, JPEG"),
+    (flipped_png, r"image 0 \(bad\.png\) is broken: .*(checksum|CRC|crc|broken).*; give a whole PNG, JPEG"),
+    (eps, r"image 0 \(bad\.png\) is EPS, which tandem does not read .*; allowed: .*JPEG.*PNG.*WEBP.*: convert it"),
+], ids=["truncated-png", "flipped-byte", "eps"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-of-its-size", "after-a-good-one"])
+def test_a_broken_image_is_refused_at_load_with_its_file_and_line(tmp_path, make, message, first):
+    (tmp_path / "bad.png").write_bytes(make())
+    picture(tmp_path / "ok.png", (32, 32))
+    rows = [{"question": "<image>fine", "images": ["ok.png"], "answer": "1"}]
+    bad = {"question": "<image>hi", "images": ["bad.png"], "answer": "1"}
+    rows = [bad] + rows if first else rows + [bad]
+    with pytest.raises(DataError, match=rf"t\.jsonl:{1 if first else 2}: {message}"):
+        task_rows(data(path=write_jsonl(tmp_path / "t.jsonl", rows)))
+
+
+def bomb() -> bytes:
+    """A PNG header of 30000 x 30000 pixels (900 million) and no pixels: a decompression bomb's start."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def test_a_decompression_bomb_is_refused_over_max_pixels_not_called_unreadable():
+    rows = [{"question": "<image>", "images": [bomb()], "_line": 4}]
+    with pytest.raises(DataError, match=r"mem:4: image 0 \(row \d+ image 0\) is over data\.max_pixels=12845056: "
+                                        r".*900000000 pixels.*; resize the images"):
+        attach_images(rows, "images", None, 12845056, "mem")
+
+
+def test_a_data_url_image_is_read_as_an_inline_image(tmp_path):
+    import base64
+
+    png = picture(size=(5, 3))
+    url = f"data:image/png;base64,{base64.b64encode(png).decode()}"
+    (row,) = task_rows(data(path=write_jsonl(tmp_path / "t.jsonl", [
+        {"question": chat(IMAGE, TEXT), "images": [url], "answer": "3"}]))).train
+    (image,) = row["_images"]
+    assert (image.name, image.data, image.size) == ("row 1 image 0", png, (5, 3))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "<image>", "images": ["data:image/png;base64,@@"],
+                                                "answer": "3"}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: image 0 is a data: URL whose base64 does not decode"):
+        task_rows(data(path=bad))

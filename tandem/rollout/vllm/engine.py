@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import logging
 import os
@@ -14,6 +13,7 @@ import torch
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest
 from tandem.samples import Images
+from tandem.util.pixels import decode
 from tandem.rollout.vllm.process import (_adopted_tp, _keeping_default_group, _ProcessSnapshot,
                                          _release_vllm_globals, _world_initialized, import_vllm, remove_segments,
                                          shared_memory_segments)
@@ -378,12 +378,11 @@ def check_expanded(i: int, expanded: list[int], ids: list[int]) -> None:
 
 
 def _prompt(ids: list[int], images: Images | None) -> Any:
-    """vLLM's input for one prompt: its ids, or with images the ids with one placeholder per image and the images."""
+    """vLLM's input for one prompt: its ids, or with images the ids with one placeholder per image and the images,
+    decoded as the trainer's processor is given them (`decode`), so that vLLM sees the trainer's pixels."""
     from vllm.inputs import TokensPrompt
 
     if images is None:
         return TokensPrompt(prompt_token_ids=ids)
-    from PIL import Image
-
-    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images.files]
+    pictures = [decode(data) for data in images.files]
     return TokensPrompt(prompt_token_ids=list(images.engine_ids), multi_modal_data={"image": pictures})

@@ -5,7 +5,6 @@ dev-mode /collective_rpc."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from tandem.rollout.vllm.sampling import WORKER_EXTENSION, _finish, _requests, _
 from tandem.rollout.vllm.weights import Bucket, EngineWeights, SyncStats
 from tandem.rollout.vllm_worker import encode_weights
 from tandem.samples import Images
+from tandem.util.pixels import decoded_png
 from tandem.util.net import free_address
 
 log = logging.getLogger(__name__)
@@ -261,8 +261,9 @@ class VLLMServerEngine:
 
     def generate_body(self, images: Images, sampling: Sampling, n: int, seed: int | None, max_tokens: int) -> dict:
         """An /inference/v1/generate request of one prompt with images: its ids with one placeholder per image
-        (`Images.engine_ids`) and each image's file as a data: URL, sampled as `completion_body`'s, answering with
-        the text, each sampled token's processed logprob and the prompt's ids as the server expanded them."""
+        (`Images.engine_ids`) and each image as the pixels tandem decoded, a data: URL of their PNG (`data_url`),
+        sampled as `completion_body`'s, answering with the text, each sampled token's processed logprob and the
+        prompt's ids as the server expanded them."""
         params = dict(_sampling_kwargs(sampling, n, seed), max_tokens=max_tokens, detokenize=True)
         return {"model": self.model_name, "token_ids": list(images.engine_ids),
                 "content_parts": [{"type": "image_url", "url": data_url(data)} for data in images.files],
@@ -358,9 +359,7 @@ def _completion(i: int, ids: list[int], toks: list[int], lps: list[float], choic
 
 
 def data_url(data: bytes) -> str:
-    """An image file as a data: URL (RFC 2397, base64), its media type read from the file's header by PIL."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as image:
-        media = Image.MIME.get(image.format or "", "application/octet-stream")
-    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+    """An image file as the server is sent it: the pixels tandem's trainer decodes from it (`decoded_png`: EXIF
+    orientation applied, transparency on white, 16-bit greyscale scaled), as a PNG in a data: URL (RFC 2397,
+    base64). The server never decodes the original file, which it would do its own way."""
+    return f"data:image/png;base64,{base64.b64encode(decoded_png(data)).decode()}"
