@@ -373,7 +373,7 @@ def _check_before_loading(cfg: Config) -> None:
 
 
 def _check_vision(cfg: Config) -> None:
-    """A vision-language model runs so far where its images are carried (issue 47): the hf engine or vLLM (in
+    """A vision-language model runs so far where its images are carried: the hf engine or vLLM (in
     process, or a server where servers run), in one process or on Ray workers (colocated or split, sync or async),
     FSDP over the whole model; refuse the rest, naming the setting."""
     config = (Path(cfg.model.path).expanduser() / "config.json").read_text()
@@ -390,7 +390,7 @@ def _check_vision(cfg: Config) -> None:
         raise ConfigError(f"model.path {cfg.model.path!r} is a vision-language model, which tandem trains so far "
                           "with rollout.engine hf or vllm, in one process or on Ray workers (schedule sync "
                           "or async, FSDP); not yet with "
-                          f"{'; '.join(wants)} (issue 47)")
+                          f"{'; '.join(wants)}")
 
 
 def _vision(cfg: Config) -> VisionPrompts | None:
