@@ -18,12 +18,23 @@ USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, KeyError)
 
 
 def _train(args) -> int:
-    from tandem.trainer import train
-
     cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, resume=_start(args, "start"))
-    print(json.dumps(summary, indent=2))
+    summary = _run(cfg, _start(args, "start"))
+    if summary is not None:
+        print(json.dumps(summary, indent=2))
     return 0
+
+
+def _run(cfg, start: str) -> dict | None:
+    """Train; None where `--resume-or-start` found the run finished already (a requeued job that had ended), said
+    in one line: that is a success, so a scheduler does not count the job as failed."""
+    from tandem.trainer import RunFinished, train
+
+    try:
+        return train(cfg, resume=start)
+    except RunFinished as done:
+        print(f"tandem: {done}", file=sys.stderr)
+        return None
 
 
 def _start(args, default: str) -> str:
@@ -33,7 +44,6 @@ def _start(args, default: str) -> str:
 
 def _demo(args) -> int:
     from tandem.demo import DEMO_DEFAULTS
-    from tandem.trainer import train
 
     start = time.perf_counter()
     first = load_config(args.config, args.overrides, DEMO_DEFAULTS)  # refuse bad input before building anything
@@ -46,9 +56,10 @@ def _demo(args) -> int:
                       DEMO_DEFAULTS + [f"model.path={path}"] * (not named))
     for i, reward_path in reward_paths.items():
         cfg.rewards[i].path = str(reward_path)
-    summary = train(cfg, resume=_start(args, "replace"))  # the demo is meant to be rerun: it replaces its last run
-    summary["wall_seconds_including_bootstrap"] = round(time.perf_counter() - start, 1)
-    print(json.dumps(summary, indent=2))
+    summary = _run(cfg, _start(args, "replace"))  # the demo is meant to be rerun: it replaces its last run
+    if summary is not None:
+        summary["wall_seconds_including_bootstrap"] = round(time.perf_counter() - start, 1)
+        print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -234,8 +245,9 @@ def _resume_flags(p: argparse.ArgumentParser, otherwise: str) -> None:
                    help="continue from the newest valid checkpoint in run.output_dir; refused where there is none")
     g.add_argument("--resume-or-start", action="store_true",
                    help="resume, or where there is no checkpoint start the run, over what a run stopped before its "
-                   "first checkpoint left (metrics, an unfinished save); any other file there is refused. The "
-                   f"command for a job that may be requeued; {otherwise}")
+                   "first checkpoint left (metrics, an unfinished save); any other file there is refused; a run "
+                   "finished already (at run.steps) exits 0, training nothing. The command for a job that may be "
+                   f"requeued; {otherwise}")
 
 
 def _commands(argv: list[str]) -> tuple[str, str]:

@@ -26,7 +26,8 @@ def check_model_folder(path: str, field: str = "model.path") -> Path:
     p = Path(path).expanduser()
     if not p.is_dir():
         raise ModelFolderError(f"{field}: {path!r} is not a folder; point it at a local Hugging Face model "
-                               "folder (downloads are not done at run time: `huggingface-cli download` it first)")
+                               "folder (tandem downloads nothing at run time: fetch one first, e.g. "
+                               f"`hf download <repo id> --local-dir {path}`)")
     check_model_files(p, field)
     check_tokenizer_files(p, field)
     return p

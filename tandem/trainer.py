@@ -66,7 +66,9 @@ def train(cfg: Config, resume: bool | Start = False) -> dict[str, float]:
 
     SIGTERM or SIGINT raises `tandem.run.signals.Stopped`: the step whose update is queued on the workers
     finishes, a step still sampling or scoring is dropped, the last completed step is checkpointed
-    (run.save_on_signal), metrics are flushed and every worker stops. A second signal raises it at once, unsaved."""
+    (run.save_on_signal), metrics are flushed and every worker stops. A second signal raises it at once, unsaved.
+    `resume="resume_or_start"` on a run whose last checkpoint is at run.steps raises `RunFinished` before any model
+    loads: the run is done (a requeued job), which the CLI reports as a success."""
     r = cfg.run
     then = ("saves a checkpoint of the last completed step" if r.save_on_signal
             else "exits unsaved (run.save_on_signal=false)")
@@ -315,7 +317,7 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
             lock, last = claim(Path(cfg.run.output_dir), {True: "resume", False: "start"}.get(resume, resume))
             undo.callback(lock.release)
             if last is not None:
-                _refuse_nothing_to_train(cfg, last)
+                _check_steps_left(cfg, last, resume)
         pool = cfg.reward_pool
         scorer = RewardScorer(cfg.rewards, timeout_s=pool.timeout_s, workers=pool.workers,
                               step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate,
@@ -412,9 +414,22 @@ def _prompts(cfg: Config, vision: VisionPrompts | None = None) -> tuple[list[Pro
     return load_prompts(cfg.data, tokenizer, cfg.model.path, None if vision is None else vision.ids)
 
 
-def _refuse_nothing_to_train(cfg: Config, last: Path) -> None:
-    """A resume whose run.steps the checkpoint has reached already would exit having done nothing: refuse it."""
+class RunFinished(Exception):
+    """`resume_or_start` found the run at run.steps already: its job ran to the end and was started again (a
+    scheduler's requeue). Not an error: the command is meant to be repeated, and the run is where it asks."""
+
+
+def _check_steps_left(cfg: Config, last: Path, resume: bool | Start) -> None:
+    """A resume whose run.steps the checkpoint has reached already would exit having done nothing. Under
+    `resume_or_start` a checkpoint at run.steps is a finished run (`RunFinished`); under `resume`, the command a
+    person types to train further, it is refused: run.steps was most likely not raised, and a success that trained
+    nothing would hide that. A checkpoint beyond run.steps is no run this config describes: refused either way."""
     step = int(checkpoint.STEP_DIR.match(last.name).group(1))  # its trainer state agrees (checkpoint.problems)
+    if resume == "resume_or_start" and cfg.run.steps == step:
+        raise RunFinished(
+            f"the run in {cfg.run.output_dir} is finished: its last checkpoint, {last}, is at run.steps ({step}); "
+            f"nothing to train. To train further raise run.steps above {step} (the same command resumes it); to "
+            f"evaluate it: tandem eval ... --model {last}")
     if cfg.run.steps <= step:
         raise ConfigError(
             f"run.steps: {cfg.run.steps}, but the run in {cfg.run.output_dir} is at step {step} already "

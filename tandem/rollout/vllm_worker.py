@@ -2,12 +2,58 @@
 from __future__ import annotations
 
 import base64
+import logging
 import re
-from typing import Any, Iterable
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from tandem.rollout.manifest import digest
+
+log = logging.getLogger(__name__)
+
+# What vLLM 0.32's layer-wise reload warns about a module or weight that the call did not bring, by its logger's name
+# and the record's format string. tandem sends a sync in buckets, each one reload_weights call, so every module outside
+# a bucket draws one of these each time (thousands a sync on a 30-layer model) though nothing failed: whether the
+# whole sync brought every tensor is checked before the first bucket (`tandem.rollout.manifest`), and what the
+# workers received is checksummed for the sync guard.
+_RELOAD_FALSE_ALARMS = {
+    "vllm.model_executor.model_loader.reload.layerwise": "%s: Failed to load weights",
+    "vllm.model_executor.model_loader.reload.inplace": "Following weights were not loaded from checkpoint: %s",
+}
+
+
+class _DropFalseAlarms(logging.Filter):
+    """Drops the reload's false alarms logged by one thread (the one reloading); counts them."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message, self.thread, self.dropped = message, threading.get_ident(), 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == self.message and record.thread == self.thread:
+            self.dropped += 1
+            return False
+        return True
+
+
+@contextmanager
+def quiet_reload() -> Iterator[None]:
+    """Silence `_RELOAD_FALSE_ALARMS` for this call only, on their own loggers (vLLM's other warnings, and these
+    from any other caller or thread, still show); how many were dropped goes to the debug log."""
+    filters = [(logging.getLogger(name), _DropFalseAlarms(message)) for name, message in _RELOAD_FALSE_ALARMS.items()]
+    for logger, f in filters:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)
+        dropped = sum(f.dropped for _, f in filters)
+        if dropped:
+            log.debug("vLLM's reload: %d warnings about modules this bucket does not bring dropped", dropped)
 
 # Checkpoint tensors a vLLM model's own loader copies into its parameters itself, past the weight loaders that vLLM's
 # layer-wise reload defers (vLLM 0.32's GptOssModel._load_weights_other: the attention sinks, the experts and their
@@ -109,7 +155,8 @@ class TandemWorkerExtension:
         for name, t in weights:
             received[name] = digest(t)
         if path == "reload":
-            self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+            with quiet_reload():
+                self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
             self._tandem_refresh_shared({name for name, _ in weights})
             self._tandem_repack_experts(dict(weights))
             self._tandem_load_copied(weights)

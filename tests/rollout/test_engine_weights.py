@@ -46,3 +46,40 @@ def test_buckets_hold_at_most_the_limit_and_a_gpu_engine_keeps_no_copy(tiny_mode
     assert stats.buckets == len(sent) > 1 and stats.bytes == sum(t.nbytes for _, t in named)
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineWeights(str(tiny_models["tied"]), "float64", bucket_mb=1)
+
+
+def test_the_reloads_false_alarms_are_dropped_only_from_the_reloading_call_and_thread():
+    """vLLM's reload warns of every module a bucket leaves out (vllm_worker.quiet_reload); those records, and only
+    those, logged by the reloading thread during the call, are dropped: vLLM's other warnings, and these from another
+    thread or after the call, still show."""
+    import logging
+    import threading
+
+    from tandem.rollout.vllm_worker import _RELOAD_FALSE_ALARMS, quiet_reload
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    (layerwise, failed), (inplace, not_loaded) = _RELOAD_FALSE_ALARMS.items()
+    root = logging.getLogger("vllm")
+    root.addHandler(handler)
+
+    def alarms() -> None:
+        logging.getLogger(layerwise).warning(failed, "RMSNorm")
+        logging.getLogger(inplace).warning(not_loaded, {"model.norm.weight"})
+        logging.getLogger(layerwise).warning("%s: something else", "RMSNorm")
+
+    try:
+        with quiet_reload():
+            alarms()
+            other = threading.Thread(target=alarms)
+            other.start()
+            other.join()
+        alarms()
+    finally:
+        root.removeHandler(handler)
+    quiet = ["RMSNorm: something else"]
+    loud = ["RMSNorm: Failed to load weights", "Following weights were not loaded from checkpoint: "
+            "{'model.norm.weight'}", "RMSNorm: something else"]
+    assert seen == quiet + loud + loud
+    assert not logging.getLogger(layerwise).filters and not logging.getLogger(inplace).filters

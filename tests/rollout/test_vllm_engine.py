@@ -6,6 +6,8 @@ import logging
 import math
 import os
 import random
+import re
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ if _spec is None or _spec.origin is None:  # (a namespace package: not vLLM)
 from tiny_qwen import hf_greedy, hf_logprobs  # noqa: E402
 
 from tandem.rollout.base import RolloutEngine, Sampling  # noqa: E402
+from tandem.rollout.manifest import ManifestError  # noqa: E402
+from tandem.sync.local import push_weights  # noqa: E402
 
 # Measured max |vLLM - HF| logprob on this machine (float32, 2 threads): 2.2e-6, before and after weight updates.
 # The bound leaves room for other CPUs' kernels and summation orders, and is still far below what a wrong
@@ -236,11 +240,12 @@ def test_fused_layers_take_partial_updates(engine, hf, base, leaf):
     before = engine.generate(PROMPTS, greedy())
     name = f"model.layers.0.{leaf}"
     new = perturbed(base, [name], scale=3.0)
-    engine.sync_bucket_bytes = 1  # one group per bucket: fused groups must never be split across calls
+    # one group per bucket: fused groups must never be split across calls
+    limit, engine.updates.bucket_bytes = engine.updates.bucket_bytes, 1
     try:
         engine.load_weights(new.items())
     finally:
-        engine.sync_bucket_bytes = 64 << 20
+        engine.updates.bucket_bytes = limit
     hf.load_state_dict(new, strict=False)
     after = assert_matches_hf(engine, hf, PROMPTS, greedy())
     assert [c.completion_ids for c in after] != [c.completion_ids for c in before] or any(
@@ -409,7 +414,7 @@ def test_untied_model_and_bucketing(tiny_models, engine):
     hf_u = AutoModelForCausalLM.from_pretrained(str(tiny_models["untied"]), dtype=torch.float32).eval()
     sd = hf_u.state_dict()
     with VLLMEngine(str(tiny_models["untied"]), max_model_len=512, kv_cache_bytes=32 << 20, sync_bucket_mb=0) as eng:
-        eng.sync_bucket_bytes = 100_000
+        eng.updates.bucket_bytes = 100_000
         assert_matches_hf(eng, hf_u, PROMPTS, greedy())
         new = perturbed(sd, ["lm_head.weight", "model.layers.1.mlp.gate_proj.weight"], scale=2.0)
         eng.load_weights(new.items())
@@ -418,6 +423,52 @@ def test_untied_model_and_bucketing(tiny_models, engine):
         assert_matches_hf(eng, hf_u, PROMPTS, greedy())
     # The first engine still works after the second one closed.
     assert len(engine.generate(PROMPTS[:1], greedy(4))) == 1
+
+
+# What vLLM's layer-wise reload warns of every module a bucket leaves out, though the sync loads them all.
+FALSE_ALARMS = ("Failed to load weights", "were not loaded from checkpoint")
+
+
+@contextmanager
+def vllm_records():
+    """The records vLLM's loggers emit meanwhile ("vllm" does not propagate to the root: caplog sees none)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+
+
+def test_a_whole_sync_in_many_buckets_logs_no_false_alarms_and_loads(engine, hf, base):
+    new = perturbed(base, [n for n in base if n != "lm_head.weight"], scale=0.3)
+    # one module per bucket: each reload call leaves out every other one
+    limit, engine.updates.bucket_bytes = engine.updates.bucket_bytes, 1
+    try:
+        with vllm_records() as records:
+            push_weights(new.items(), engine)
+    finally:
+        engine.updates.bucket_bytes = limit
+    assert engine.last_sync_buckets > 10
+    alarms = [r.getMessage() for r in records if any(a in r.getMessage() for a in FALSE_ALARMS)]
+    assert not alarms, f"{len(alarms)} warnings from vLLM's reload, e.g. {alarms[:2]}"
+    hf.load_state_dict(new, strict=False)
+    assert_matches_hf(engine, hf, PROMPTS, greedy())  # every weight did load
+
+
+def test_a_sync_that_misses_a_tensor_still_fails_loudly(engine, base):
+    """With the reload's warnings quiet, a whole sync without one tensor is refused by name before any bucket goes."""
+    before = engine.generate(PROMPTS, greedy())
+    dropped = "model.layers.1.mlp.down_proj.weight"
+    new = perturbed(base, [n for n in base if n not in ("lm_head.weight", dropped)], scale=0.3)
+    expected = f"1 of the engine's {len(engine.manifest())} parameters missing: {dropped!r}"
+    with pytest.raises(ManifestError, match=re.escape(expected)) as err:
+        push_weights(new.items(), engine)
+    assert "refused before anything was written" in str(err.value)
+    after = engine.generate(PROMPTS, greedy())
+    assert [(c.completion_ids, c.logprobs) for c in after] == [(c.completion_ids, c.logprobs) for c in before]
 
 
 # ------------------------------------------------------------------------------------------ process hygiene

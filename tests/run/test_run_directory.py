@@ -87,6 +87,11 @@ def copy_of(run: Path, tmp_path: Path) -> Path:
     return dst
 
 
+def run_files(out: Path) -> dict[str, bytes]:
+    """Every file of the run in `out` and its bytes, less the lock (which each start rewrites)."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "tandem.lock"}
+
+
 def metrics_steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -529,3 +534,23 @@ def test_a_resume_with_no_steps_left_is_refused_before_models_load(finished_run,
     assert [s for s, _ in checkpoint.checkpoints(out / "checkpoints")] == [1, 2]
     with pytest.raises(AssertionError, match="models loaded"):  # with steps left, it goes on to load them
         trainer.start_run(config(tiny_model, out, "run.steps=3"), resume=True)
+
+
+def test_a_requeued_finished_run_exits_0_saying_so_before_models_load(finished_run, tmp_path, tiny_model, no_models,
+                                                                      capsys):
+    """A scheduler requeues a job whose run had finished (its last checkpoint is at run.steps): --resume-or-start
+    is the command meant to be repeated, so it succeeds, in one line naming the checkpoint and how to train on."""
+    out = copy_of(finished_run[0], tmp_path)  # at step 2, its last
+    before = run_files(out)
+    yml = config_file(tiny_model, out, tmp_path)
+    for _ in range(2):  # again: the first released the directory
+        assert main(["train", str(yml), "--resume-or-start"]) == 0
+        captured = capsys.readouterr()
+        lines = captured.err.splitlines()
+        assert len(lines) == 1 and not captured.out, captured
+        assert lines[0].startswith(f"tandem: the run in {out} is finished") and "run.steps" in lines[0], lines
+        assert str(out / "checkpoints" / "step-00000002") in lines[0], lines
+    assert run_files(out) == before  # nothing written, nothing removed
+    # a config asking for fewer steps than the run has made is no requeue of it: still refused
+    assert main(["train", str(config_file(tiny_model, out, tmp_path, steps=1)), "--resume-or-start"]) == 2
+    assert "run.steps: 1, but the run in" in capsys.readouterr().err
