@@ -146,8 +146,13 @@ def test_mixed_with_a_rule_reward_it_sums_by_weight_after_its_normalization(clas
     assert res.total == pytest.approx([0.5 * e + 2.0 * m for e, m in zip([0, 1, 1, 0], sig)], abs=1e-6)
     with scorer([RewardSpec(name="model", path=str(classifier), normalize="zscore")]) as s:
         z = s.score(COMPLETIONS, PROMPTS, rows).per_fn["model"]
-    t = torch.tensor(logits, dtype=torch.float64)
-    assert z == pytest.approx(((t - t.mean()) / t.std()).tolist(), abs=1e-6)
+    with scorer([RewardSpec(name="model", path=str(classifier))]) as s:
+        raw = s.score(COMPLETIONS, PROMPTS, rows).per_fn["model"]
+    assert raw == pytest.approx(logits, abs=1e-6)
+    # against the scorer's own logits: z-scoring divides a batched forward's float32 rounding (~1e-7) by the logits'
+    # spread, which took it past 1e-6 from the one-at-a-time logits on one processor
+    t = torch.tensor(raw, dtype=torch.float64)
+    assert z == pytest.approx(((t - t.mean()) / t.std()).tolist(), abs=1e-12)
 
 
 def test_the_demo_builds_the_reward_model_a_preset_names(monkeypatch, tmp_path):
