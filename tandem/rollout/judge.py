@@ -2,6 +2,7 @@
 each sample through a template and writes a verdict, which a stated rule turns into the sample's score."""
 from __future__ import annotations
 
+import functools
 import re
 import string
 import time
@@ -106,9 +107,15 @@ def render(template: str, completion: str, prompt: str, row: Mapping, quoted: re
     fields = {k: v for k, v in row.items() if isinstance(k, str) and not k.startswith("_")}
     fields.update(prompt=prompt, completion=quote(completion, quoted or quoting(())),
                   reference=str(row.get("answer", "")))
-    template_fields(template, "template")  # names only, whoever built this judge: never str.format's lookups
-    return "".join(literal + ("" if name is None else str(fields[name]))
-                   for literal, name, _, _ in string.Formatter().parse(template))
+    return "".join(literal + ("" if name is None else str(fields[name])) for literal, name in _parts(template))
+
+
+@functools.lru_cache(maxsize=16)
+def _parts(template: str) -> tuple[tuple[str, str | None], ...]:
+    """`template` as (literal text, field name or None) pairs, checked to be field names only (`template_fields`,
+    whoever built the judge: never str.format's lookups); parsed once per template, not once per sample."""
+    template_fields(template, "template")
+    return tuple((literal, name) for literal, name, _, _ in string.Formatter().parse(template))
 
 
 class Judge:
@@ -130,7 +137,7 @@ class Judge:
                  max_new_tokens: int = 64, score_range: tuple[float, float] = DEFAULT_SCORE_RANGE):
         if verdict not in VERDICTS:
             raise ValueError(f"verdict: {verdict!r}; choose one of {', '.join(VERDICTS)}")
-        template_fields(template, "template")  # raises a ConfigError (a ValueError) naming what is wrong
+        _parts(template)  # raises a ConfigError (a ValueError) naming what is wrong
         self.engine, self.tokenizer = engine, tokenizer
         self.template, self.verdict, self.max_new_tokens = template, verdict, int(max_new_tokens)
         self.score_range = (float(score_range[0]), float(score_range[1]))
