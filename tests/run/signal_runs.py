@@ -167,6 +167,14 @@ def stopped_well(run: Launched, signum: int, pids: set[int]) -> int:
     return step
 
 
+def resumable_from(run: Launched) -> int:
+    """The first step a resumed run can be waited for after `run` was killed: past its last checkpoint by two, and
+    past every step it logged, since rows after the checkpoint stay in metrics.jsonl until the resumed run drops
+    them (a wait for one of those would end before the resumed run has started)."""
+    logged = run.metrics()[-1]["step"] if run.metrics() else 0
+    return max(checkpoint_steps(run.out)[-1] + 2, logged + 1)
+
+
 def checkpoint_steps(out: Path) -> list[int]:
     from tandem.run import checkpoint
 

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from signal_runs import (checkpoint_steps, descendants, launch, settings, still_alive, stopped_well, without_timing,
-                         write_config)
+from signal_runs import (checkpoint_steps, descendants, launch, resumable_from, settings, still_alive, stopped_well,
+                         without_timing, write_config)
 from tandem.run import checkpoint
 from tandem.config import load_config
 from tandem.run.signals import StopSignals, Stopped
@@ -194,7 +194,7 @@ def test_a_streaming_run_killed_at_random_instants_resumes_to_a_run_that_learns(
             time.sleep(delay)
             run.signal(signal.SIGKILL)
             assert run.finish() == -signal.SIGKILL
-            low = checkpoint_steps(out)[-1] + 2
+            low = resumable_from(run)
         run = launch(cfg, out, "--resume")
         assert run.finish(240) == 0, run.tail()
         rows = run.metrics()
@@ -241,7 +241,7 @@ def test_a_vllm_streaming_run_on_ray_killed_and_stopped_resumes_and_leaves_nothi
         time.sleep(delay)
         run.signal(signal.SIGKILL, group=True)  # the whole session: Ray's processes have no trainer to stop them
         assert run.finish() == -signal.SIGKILL
-        low = checkpoint_steps(out)[-1] + 2
+        low = resumable_from(run)
         run = launch(cfg, out, "--resume")
         target, delay = rng.randint(low, low + 4), rng.uniform(0, 0.5)
         trail.append(f"SIGTERM at step {target} + {delay:.2f} s")
