@@ -192,7 +192,7 @@ def build(cfg: Config) -> Placement:
     if pl.backend == "local":
         group = LocalWorkerGroup(functools.partial(HybridWorker, cfg), 1)
         return Placement(group, group, split=False, groups=[group])
-    from tandem.workers.ray_group import GroupSpec, start_groups
+    from tandem.workers.ray.group import GroupSpec, start_groups
 
     res = dict(cpus_per_worker=pl.cpus_per_worker, gpus_per_worker=pl.gpus_per_worker)
     if pl.mode == "colocate":
@@ -248,7 +248,7 @@ def _model_specs(cfg: Config) -> tuple[list[int | None], list]:
     world: each works alone), and whose each is: placement.reward_workers for each model-backed reward (its index in
     `rewards`), then placement.teacher_workers for the distillation teacher (None)."""
     from tandem.workers.models import MODEL_REWARDS, RewardHost, TeacherWorker
-    from tandem.workers.ray_group import GroupSpec
+    from tandem.workers.ray.group import GroupSpec
 
     pl = cfg.placement
     res = dict(cpus_per_worker=pl.cpus_per_worker, gpus_per_worker=pl.gpus_per_worker, join_world=False)

@@ -67,7 +67,7 @@ class ProbeWorker:
 def start_group(name: str, factory, size: int = 1, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0,
                 **options):
     """One group alone: `start_groups` with one spec (its `ctx.group` is the WORLD group)."""
-    from tandem.workers.ray_group import GroupSpec, start_groups
+    from tandem.workers.ray.group import GroupSpec, start_groups
 
     return start_groups([GroupSpec(name, factory, size, cpus_per_worker, gpus_per_worker)], **options)[0]
 
@@ -78,11 +78,11 @@ def ray_session(*, address: str | None = None, num_cpus: float | None = None, nu
                 object_store_memory: int | None = None) -> Iterator[None]:
     """Hold one Ray session across several tests' `start_groups` (each ray.init costs seconds); shut down on exit
     if this opened it."""
-    from tandem.workers.ray_session import _acquire_ray, _release_ray
+    from tandem.workers.ray.session import acquire_ray, release_ray
 
-    owned = _acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
+    owned = acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
     try:
         yield
     finally:
         if owned:
-            _release_ray()
+            release_ray()

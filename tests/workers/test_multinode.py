@@ -25,7 +25,7 @@ from test_placement import _assert_intact, read_metrics, small_config  # noqa: E
 
 from tandem.workers import placement  # noqa: E402
 from tandem.workers.group import WorkerError  # noqa: E402
-from tandem.workers.ray_gang import RayWorkerGroup  # noqa: E402
+from tandem.workers.ray.gang import RayWorkerGroup  # noqa: E402
 
 # No idle workers started ahead (seconds of CPU here for nothing). Ray's health checks keep their defaults, as on a
 # real cluster: a node that stops answering is declared dead about 15 s later, and until then its actors are only

@@ -18,7 +18,7 @@ from procs import descendants  # noqa: E402
 from ray_workers import ProbeWorker, ray_session, start_group  # noqa: E402
 
 from tandem.workers.group import WorkerError  # noqa: E402
-from tandem.workers.ray_group import GroupSpec, start_groups  # noqa: E402
+from tandem.workers.ray.group import GroupSpec, start_groups  # noqa: E402
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 BOUNDED = dict(pg_timeout_s=120, setup_timeout_s=120)  # a broken test fails instead of hanging

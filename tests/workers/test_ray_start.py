@@ -18,9 +18,9 @@ pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 CHECKOUT = Path(__file__).resolve().parents[2]
-# A controller as `tandem` starts its own Ray (tandem.workers.ray_session), which then waits to be killed.
-CONTROLLER = ("import sys, time; from tandem.workers import ray_session; "
-              "ray_session._acquire_ray(None, 1, 0, None, False, 80 << 20); "
+# A controller as `tandem` starts its own Ray (tandem.workers.ray.session), which then waits to be killed.
+CONTROLLER = ("import sys, time; from tandem.workers.ray import session; "
+              "session.acquire_ray(None, 1, 0, None, False, 80 << 20); "
               "print('ready', flush=True); time.sleep(600)")
 
 
@@ -58,13 +58,13 @@ def test_on_a_cluster_a_resource_no_node_has_is_waited_for_then_refused_saying_n
     reports in one line (exit 2)."""
     import ray
 
-    from tandem.workers import ray_group
+    from tandem.workers.ray import group as ray_group
 
     real = ray_group._check_resources
     monkeypatch.setattr(ray_group, "_check_resources", lambda specs, fixed: real(specs, fixed=False))
     spec = ray_group.GroupSpec("trainers", _never, 1, resources={"nonexistent": 1},
                                resources_from="placement.train_resources")
-    with caplog.at_level(logging.WARNING, logger="tandem.workers.ray_group"), \
+    with caplog.at_level(logging.WARNING, logger="tandem.workers.ray.group"), \
             pytest.raises(ray_group.PlacementError) as refused:
         ray_group.start_groups([spec], placement_timeout_s=2, num_cpus=1, object_store_memory=80 << 20)
     assert isinstance(refused.value, ValueError)

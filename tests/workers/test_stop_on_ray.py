@@ -40,7 +40,7 @@ def _actors() -> set[int]:
     pids = set()
     for pid in descendants():
         try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::_Host"):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::WorkerHost"):
                 pids.add(pid)
         except OSError:
             pass

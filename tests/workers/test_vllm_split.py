@@ -90,7 +90,7 @@ def _alive(pid: int) -> bool:
 def test_killed_vllm_sampler_stops_the_run_and_leaves_nothing(session, demo_path, tmp_path, monkeypatch):  # noqa: F811
     """SIGKILL one of two in-process vLLM samplers mid-run (async): the run stops naming it, the last checkpoint is
     intact, and no worker process, shared-memory segment or weight-channel port is left."""
-    from tandem.workers.ray_gang import RayWorkerGroup
+    from tandem.workers.ray.gang import RayWorkerGroup
 
     shm_before = _shm_entries()
     addresses: list[tuple[str, int]] = []

@@ -6,11 +6,11 @@ import pickle
 import sys
 
 from . import mirrors
-from .mirrors import ExceptionMirror, MirrorMeta, ObjectMirror, ValueMirror, _local_attr
-from .names import (LIBRARY_NAMES, MODULE_ALIASES, TESTS_MODULE, _harness_import, _static_bindings,
-                    _used_as_module)
+from .mirrors import ExceptionMirror, MirrorMeta, ObjectMirror, ValueMirror, set_local_attr
+from .names import (LIBRARY_NAMES, MODULE_ALIASES, TESTS_MODULE, harness_import, static_bindings,
+                    used_as_module)
 from .wire import (ATOMS, BUILTIN_EXCEPTIONS, CHUNK, LIVE_ANCHORS, VALUE_ANCHORS, Channel, Codec, ProgramGone,
-                   ProtocolError, _ints, _list, atoms_only_loads, recv)
+                   ProtocolError, checked_ints, checked_list, atoms_only_loads, recv)
 
 def _local_text(x, budget=200):
     """A short description of a value for the verdict's reason, without asking the program anything."""
@@ -36,17 +36,17 @@ class Harness(Codec):
         self.conflicts = set()  # program-defined LIBRARY_NAMES the tests read
         self.library = set(library)  # names judged with the library's binding in this run
         self.packages = set(packages)
-        self.static = _static_bindings(solution_src)
+        self.static = static_bindings(solution_src)
         self.module_decisions = {}
-        self.used_as_module = _used_as_module(tests_src)
+        self.used_as_module = used_as_module(tests_src)
 
     # -- classes and mirrors
     def define_classes(self, descriptions):
-        for d in _list(descriptions):
+        for d in checked_list(descriptions):
             if type(d) is not tuple or len(d) != 7:
                 raise ProtocolError("class description")
             ref, name, qualname, module, anchor_name, bases, identity = d
-            _ints(ref)
+            checked_ints(ref)
             if not all(type(s) is str for s in (name, qualname, module)) or type(identity) is not bool:
                 raise ProtocolError("class description")
             anchor = None
@@ -58,7 +58,7 @@ class Harness(Codec):
             kind = ("value" if anchor_name in VALUE_ANCHORS else "exception" if anchor_name in BUILTIN_EXCEPTIONS
                     else "object")
             mixin = {"value": ValueMirror, "exception": ExceptionMirror, "object": ObjectMirror}[kind]
-            parents = [self.classes[b] for b in _list(bases) if type(b) is int and b in self.classes]
+            parents = [self.classes[b] for b in checked_list(bases) if type(b) is int and b in self.classes]
             parents = [p for p in parents if p._tandem_kind == kind]
             tail = [mixin] + ([anchor] if kind != "object" else [])
             attrs = {"__module__": module[:200], "__qualname__": qualname[:200], "__doc__": None,
@@ -73,7 +73,7 @@ class Harness(Codec):
             self.classes[ref] = cls
 
     def mirror(self, ref, cref, payload, refs, depth):
-        _ints(ref, cref)
+        checked_ints(ref, cref)
         m = self.mirrors.get(ref)
         if m is not None:
             return m
@@ -93,7 +93,7 @@ class Harness(Codec):
             m = cls.__new__(cls, *args)
         else:
             m = object.__new__(cls)
-        _local_attr(m, "_tandem_ref", ref)
+        set_local_attr(m, "_tandem_ref", ref)
         self.mirrors[ref] = m
         return m
 
@@ -138,7 +138,7 @@ class Harness(Codec):
             if tag == "o":
                 return self.mirror(node[1], node[2], node[3], refs, depth)
             if tag == "c":
-                (ref,) = _ints(node[1])
+                (ref,) = checked_ints(node[1])
                 return self.classes[ref]
             if tag == "exc":
                 kind = BUILTIN_EXCEPTIONS[node[1]]
@@ -147,7 +147,7 @@ class Harness(Codec):
                     raise ProtocolError("exception arguments")
                 return kind(*args)
             if tag == "cb":
-                (index,) = _ints(node[1])
+                (index,) = checked_ints(node[1])
                 if index < 0:
                     raise ProtocolError("callback")
                 return self.callbacks[index]
@@ -244,11 +244,11 @@ class Harness(Codec):
                 raise ProtocolError("the program may only call the functions it was given")
             _, classes, _, args, kw = msg
             self.define_classes(classes)
-            args = _list(args)
+            args = checked_list(args)
             if not args or type(args[0]) is not tuple or args[0][:1] != ("cb",):
                 raise ProtocolError("the program may only call the functions it was given")
             fn, *args = [self.decode(a, record, record) for a in args]
-            kw = _list(kw)
+            kw = checked_list(kw)
             kwargs = {str(k): self.decode(x, record, record) for k, x in zip(kw[::2], kw[1::2])}
         except ProtocolError as exc:
             self.failed = f"the program broke the protocol ({exc})"
@@ -280,7 +280,7 @@ class Harness(Codec):
             target = self.static.get(name)
             wanted = (target[1] if target and target[0] == "module" else MODULE_ALIASES.get(name)
                       or (name if name in sys.stdlib_module_names or name in self.packages else None))
-            self.module_decisions[name] = (_harness_import(wanted) or False) if wanted else _harness_import(name)
+            self.module_decisions[name] = (harness_import(wanted) or False) if wanted else harness_import(name)
         return self.module_decisions[name]
 
     def resolve(self, name):
@@ -296,19 +296,19 @@ class Harness(Codec):
                 return module
         target = self.static.get(name)
         if target is not None and target[0] == "attr":
-            module = _harness_import(target[1])
+            module = harness_import(target[1])
             if module is not None and hasattr(module, target[2]):
                 return getattr(module, target[2])
         got = self.op("global", name)
         if type(got) is not tuple or not got or got[0] not in ("absent", "module", "value"):
             raise KeyError(name)
         if got[0] == "absent":
-            module = _harness_import(name)
+            module = harness_import(name)
             if module is None:
                 raise KeyError(name)
             return module
         if got[0] == "module":
-            module = _harness_import(got[1]) if type(got[1]) is str and got[1] else None
+            module = harness_import(got[1]) if type(got[1]) is str and got[1] else None
             if module is None:
                 raise KeyError(name)
             return module

@@ -43,7 +43,8 @@ class MirrorMeta(type):
         return f"<class {cls.__qualname__!r} of the program>"
 
 
-def _local_attr(obj, name, value):
+def set_local_attr(obj, name, value):
+    """Set an attribute on the harness's side of a mirror, past its __setattr__ (which asks the program)."""
     object.__setattr__(obj, name, value)
 
 

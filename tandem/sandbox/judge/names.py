@@ -13,7 +13,7 @@ TESTS_MODULE = "__tandem_tests__"  # the tests' module name (`__module__` of the
 MODULE_ALIASES = {"np": "numpy", "pd": "pandas", "plt": "matplotlib.pyplot", "sp": "scipy", "nx": "networkx"}
 
 
-def _harness_import(module_name):
+def harness_import(module_name):
     top = module_name.partition(".")[0]
     try:
         if top.isidentifier() and (top in sys.stdlib_module_names or importlib.util.find_spec(top)):
@@ -23,7 +23,7 @@ def _harness_import(module_name):
     return None
 
 
-def _static_bindings(source):
+def static_bindings(source):
     """Names the program binds only by imports, from its source: name -> ("module", module) or ("attr", module,
     name). A name bound any other way (a def, an assignment, a parameter of no function: module scope or `global`)
     is left out: it is the program's."""
@@ -73,7 +73,7 @@ def _static_bindings(source):
     out = {name: origins[0] for name, origins in imports.items()
            if name not in defined and len(set(origins)) == 1}
     for module_name in stars:
-        module = _harness_import(module_name)
+        module = harness_import(module_name)
         public = getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]
         for name in public if module is not None else ():
             if type(name) is str and name not in defined and name not in imports:
@@ -81,7 +81,7 @@ def _static_bindings(source):
     return out
 
 
-def _used_as_module(tests_src):
+def used_as_module(tests_src):
     import ast
 
     try:

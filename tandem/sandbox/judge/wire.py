@@ -115,13 +115,15 @@ def _std(module, name):
     return getattr(sys.modules.get(module), name, None)
 
 
-def _ints(*xs):
+def checked_ints(*xs):
+    """`xs`, each checked to be an int (a received field the sender may have forged)."""
     if not all(type(x) is int for x in xs):
         raise ProtocolError("expected integers")
     return xs
 
 
-def _list(x):
+def checked_list(x):
+    """`x`, checked to be a list (a received field the sender may have forged)."""
     if type(x) is not list:
         raise ProtocolError("expected a list")
     return x
@@ -226,27 +228,27 @@ class Codec:
             return out, items
 
         def pairs(flat):
-            flat = _list(flat)
+            flat = checked_list(flat)
             if len(flat) % 2:
                 raise ProtocolError("odd pairs")
             return [(dec(flat[i]), dec(flat[i + 1])) for i in range(0, len(flat), 2)]
 
         try:
             if tag == "a":
-                (index,) = _ints(node[1])
+                (index,) = checked_ints(node[1])
                 return refs[index]
             if tag == "l":
-                out, items = fill([], _list(node[1]))
+                out, items = fill([], checked_list(node[1]))
                 out.extend(dec(x) for x in items)
                 return out
             if tag == "t":
-                return tuple(dec(x) for x in _list(node[1]))
+                return tuple(dec(x) for x in checked_list(node[1]))
             if tag == "s":
-                out, items = fill(set(), _list(node[1]))
+                out, items = fill(set(), checked_list(node[1]))
                 out.update(dec(x) for x in items)
                 return out
             if tag == "f":
-                return frozenset(dec(x) for x in _list(node[1]))
+                return frozenset(dec(x) for x in checked_list(node[1]))
             if tag in DICT_TAGS:
                 out, flat = fill(DICT_TAGS[tag](), node[1])
                 for k, x in pairs(flat):
@@ -261,8 +263,8 @@ class Codec:
             if tag == "dq":
                 maxlen = node[2]
                 if maxlen is not None:
-                    _ints(maxlen)
-                out, items = fill(collections.deque(maxlen=maxlen), _list(node[1]))
+                    checked_ints(maxlen)
+                out, items = fill(collections.deque(maxlen=maxlen), checked_list(node[1]))
                 out.extend(dec(x) for x in items)
                 return out
             if tag == "ba":
@@ -274,25 +276,25 @@ class Codec:
                     raise ProtocolError("complex")
                 return complex(node[1], node[2])
             if tag == "Fr":
-                return importlib.import_module("fractions").Fraction(*_ints(node[1], node[2]))
+                return importlib.import_module("fractions").Fraction(*checked_ints(node[1], node[2]))
             if tag == "De":
                 if type(node[1]) is not str or len(node[1]) > 10000:
                     raise ProtocolError("decimal")
                 return importlib.import_module("decimal").Decimal(node[1])
             datetime = importlib.import_module("datetime") if tag in ("td", "date", "dt", "tm") else None
             if tag == "td":
-                return datetime.timedelta(*_ints(*node[1:4]))
+                return datetime.timedelta(*checked_ints(*node[1:4]))
             if tag == "date":
-                return datetime.date(*_ints(*node[1:4]))
+                return datetime.date(*checked_ints(*node[1:4]))
             if tag in ("dt", "tm"):
-                date = _ints(*node[1:4]) if tag == "dt" else ()
+                date = checked_ints(*node[1:4]) if tag == "dt" else ()
                 clock = node[4:] if tag == "dt" else node[1:]
                 h, mi, s, us, tz, fold = clock
-                _ints(h, mi, s, us, fold)
+                checked_ints(h, mi, s, us, fold)
                 tzinfo = None
                 if tz is not None:
                     offset, name = tz
-                    _ints(offset)
+                    checked_ints(offset)
                     if type(name) is not str:
                         raise ProtocolError("tzname")
                     tzinfo = datetime.timezone(datetime.timedelta(microseconds=offset), name)
@@ -300,11 +302,11 @@ class Codec:
                     return datetime.datetime(*date, h, mi, s, us, tzinfo, fold=fold)
                 return datetime.time(h, mi, s, us, tzinfo, fold=fold)
             if tag == "rg":
-                return range(*_ints(*node[1:4]))
+                return range(*checked_ints(*node[1:4]))
             if tag == "dk":
-                return dict.fromkeys(dec(x) for x in _list(node[1])).keys()
+                return dict.fromkeys(dec(x) for x in checked_list(node[1])).keys()
             if tag == "dv":
-                return {i: dec(x) for i, x in enumerate(_list(node[1]))}.values()
+                return {i: dec(x) for i, x in enumerate(checked_list(node[1]))}.values()
             if tag == "di":
                 return dict(pairs(node[1])).items()
             if tag == "NI":
@@ -320,7 +322,7 @@ class Codec:
     def apply_copyback(self, register, contents):
         """Update the call's argument containers (and objects of the tests') in place from the contents the other
         side sent back."""
-        contents = _list(contents)
+        contents = checked_list(contents)
         if len(contents) != len(register):
             raise ProtocolError("copy-back of another number of arguments")
         new = [self.decode_attributes(node, register) if type(orig) not in MUTABLE else self.decode(node, register)
@@ -355,7 +357,7 @@ class Codec:
         """("ns", class name, [name, value, ...]): an object's attributes as a dict."""
         if type(node) is not tuple or len(node) != 3 or node[0] != "ns" or type(node[1]) is not str:
             raise ProtocolError("attributes")
-        flat = _list(node[2])
+        flat = checked_list(node[2])
         if len(flat) % 2 or not all(type(k) is str for k in flat[::2]):
             raise ProtocolError("attributes")
         return {k: self.decode(x, refs, record, depth + 1) for k, x in zip(flat[::2], flat[1::2])}

@@ -1,7 +1,7 @@
 """The `ray` worker-group backend: workers as Ray actors in placement groups, joined by one torch.distributed world.
 
-Here the groups are placed and started (`start_groups`); beside it, `ray_session` holds the Ray session and its
-reaper, `ray_actor` what runs inside each actor, `ray_gang` the started groups as the controller calls them.
+Here the groups are placed and started (`start_groups`); below it, `gang` holds the started groups as the controller
+calls them, `actor` what runs inside each actor, `session` the Ray session and its reaper (`reaper.py`).
 """
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from tandem.workers.group import WorkerContext
-from tandem.workers.ray_actor import SIDE_LANE, _Host, _runtime_env
-from tandem.workers.ray_gang import RayPending, RayWorkerGroup, _Gang
-from tandem.workers.ray_session import _acquire_ray, _release_ray, import_ray
+from tandem.workers.ray.actor import SIDE_LANE, WorkerHost, actor_runtime_env
+from tandem.workers.ray.gang import Gang, RayPending, RayWorkerGroup
+from tandem.workers.ray.session import acquire_ray, import_ray, release_ray
 
-log = logging.getLogger("tandem.workers.ray_group")
+log = logging.getLogger("tandem.workers.ray.group")
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,8 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
         backend = "gloo" if not any(s.gpus_per_worker > 0 for s in specs) else "cpu:gloo,cuda:nccl"
     if num_cpus is None:
         num_cpus = sum(s.size * s.cpus_per_worker for s in specs)
-    owns = _acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
-    gang = _Gang(owns)
+    owns = acquire_ray(address, num_cpus, num_gpus, temp_dir, log_to_driver, object_store_memory)
+    gang = Gang(owns)
     placements: list[Any] = []
     try:
         _check_resources(specs, fixed=owns and address is None)
@@ -79,7 +79,7 @@ def start_groups(specs: Sequence[GroupSpec | tuple], *, backend: str | None = "a
             except Exception:
                 pass
         if owns:
-            _release_ray()
+            release_ray()
         raise
     return gang.groups
 
@@ -138,27 +138,27 @@ def _check_resources(specs: list[GroupSpec], fixed: bool) -> None:
         log.warning("%s; waiting for one that has (an autoscaler may add it)", what)
 
 
-def _start_actors(gang: _Gang, specs: list[GroupSpec], placements: list[Any], call_timeout_s: float | None,
+def _start_actors(gang: Gang, specs: list[GroupSpec], placements: list[Any], call_timeout_s: float | None,
                   runtime_env: dict | None) -> None:
     """An actor per worker in its bundle, numbered group after group; the groups go into `gang.groups`."""
     ray = import_ray()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    host = ray.remote(concurrency_groups={SIDE_LANE: 1})(_Host)
+    host = ray.remote(concurrency_groups={SIDE_LANE: 1})(WorkerHost)
     first = 0
     for s, placement in zip(specs, placements):
         actors = [host.options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker, max_restarts=0,
-                               runtime_env=_runtime_env(s.cpus_per_worker, runtime_env),
+                               runtime_env=actor_runtime_env(s.cpus_per_worker, runtime_env),
                                scheduling_strategy=PlacementGroupSchedulingStrategy(
                                    placement, placement_group_bundle_index=i)).remote(s.cpus_per_worker,
                                                                                       s.gpus_per_worker)
                   for i in range(s.size)]
-        gang.groups.append(RayWorkerGroup(gang, s, actors, placement, list(range(first, first + s.size)),
+        gang.groups.append(RayWorkerGroup(gang, s.name, actors, placement, list(range(first, first + s.size)),
                                           call_timeout_s))
         first += s.size
 
 
-def _set_up(gang: _Gang, specs: list[GroupSpec], backend: str | None, pg_timeout_s: float,
+def _set_up(gang: Gang, specs: list[GroupSpec], backend: str | None, pg_timeout_s: float,
             setup_timeout_s: float | None) -> None:
     """Every actor joins the world (those of join_world groups, at the first actor's address) and builds its
     worker; returns once all have."""

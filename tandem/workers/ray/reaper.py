@@ -7,7 +7,7 @@ which died too, through a call whose 60 s timeout Ray hard-codes (ray._private.u
 hold their loopback ports meanwhile. Ray has no option that leaves them out (include_dashboard=False, which tandem
 passes, stops only the dashboard's web server; actors' runtime_env needs the runtime-env agent).
 
-So tandem.workers.ray_session starts this script (standard library only, run by path) beside its own Ray. It notes the
+So tandem.workers.ray.session starts this script (standard library only, run by path) beside its own Ray. It notes the
 raylet's children (the controller's child named `raylet`) every 2 s, and at an end-of-file on its stdin with nothing
 written (the controller is gone without shutting Ray down) kills those still alive (the same pid and start time).
 Their environment cannot tell them: Ray's process titles overwrite it. A controller that shuts Ray down writes to the

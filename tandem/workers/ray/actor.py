@@ -1,4 +1,4 @@
-"""What runs inside each Ray actor (`_Host`), and the environment its process starts with."""
+"""What runs inside each Ray actor (`WorkerHost`), and the environment its process starts with."""
 from __future__ import annotations
 
 import os
@@ -19,7 +19,7 @@ def _loopback_ifname() -> str | None:
 SIDE_LANE = "side"  # a second call lane per actor (see RayWorkerGroup.submit_side)
 
 
-class _Host:
+class WorkerHost:
     """One actor: pins itself to its share, joins the process group, builds the worker and runs its methods."""
 
     def __init__(self, cpus: float, gpus: float):
@@ -91,7 +91,9 @@ def _code_paths() -> list[str]:
     return paths
 
 
-def _runtime_env(cpus: float, user: dict | None) -> dict:
+def actor_runtime_env(cpus: float, user: dict | None) -> dict:
+    """The runtime_env an actor of `cpus` CPUs starts with: the user's (`user`), this checkout and the driver's
+    folders on its PYTHONPATH, and its OpenMP threads."""
     env = dict(user or {})
     env_vars = dict(env.get("env_vars") or {})
     extra = [p for p in env_vars.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")).split(os.pathsep) if p]

@@ -7,14 +7,11 @@ import re
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from tandem.workers.group import Method, WorkerError, method_name
-from tandem.workers.ray_actor import SIDE_LANE
-from tandem.workers.ray_session import _release_ray, import_ray
-
-if TYPE_CHECKING:
-    from tandem.workers.ray_group import GroupSpec
+from tandem.workers.ray.actor import SIDE_LANE
+from tandem.workers.ray.session import import_ray, release_ray
 
 CLOSE_TIMEOUT_S = 10.0  # a worker's close() is best effort: a hung one must not hang shutdown
 FAILURE_GRACE_S = 2.0  # after a first failure, how long the other workers' outcomes may take to arrive
@@ -26,7 +23,7 @@ UNREACHABLE_GRACE_S = 30.0
 SHARED_ARGS_MIN_BYTES = 100 * 1024
 
 
-class _Gang:
+class Gang:
     """The groups started together: they share actors' fate (a failure kills them all) and the Ray session."""
 
     def __init__(self, owns_ray: bool):
@@ -74,7 +71,7 @@ class _Gang:
             last = all(g.closed for g in self.groups)
         if last and self.owns_ray:
             self.owns_ray = False
-            _release_ray()
+            release_ray()
 
 
 def _settled(actor: Any, exc: BaseException, wait_s: float = UNREACHABLE_GRACE_S) -> BaseException:
@@ -125,7 +122,7 @@ def _describe(exc: BaseException) -> tuple[str, str]:
 class RayPending:
     """Futures of one call on some workers; `get` returns results in rank order or raises WorkerError."""
 
-    def __init__(self, gang: _Gang, method: str, entries: list[tuple[RayWorkerGroup, int, Any]],
+    def __init__(self, gang: Gang, method: str, entries: list[tuple[RayWorkerGroup, int, Any]],
                  call_timeout_s: float | None):
         self.gang, self.method = gang, method
         self._entries = entries
@@ -232,9 +229,9 @@ class RayWorkerGroup:
     Build them with `start_groups`: several groups share one torch.distributed world.
     """
 
-    def __init__(self, gang: _Gang, spec: GroupSpec, actors: list[Any], placement: Any, global_ranks: list[int],
+    def __init__(self, gang: Gang, name: str, actors: list[Any], placement: Any, global_ranks: list[int],
                  call_timeout_s: float | None):
-        self.gang, self.name, self.size = gang, spec.name, spec.size
+        self.gang, self.name, self.size = gang, name, len(actors)
         self.actors, self.placement, self.global_ranks = actors, placement, global_ranks
         self.call_timeout_s = call_timeout_s
         self.closed = False

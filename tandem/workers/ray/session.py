@@ -28,9 +28,9 @@ _ray_lock = threading.Lock()
 _ray_users = 0  # holders of a Ray session that this module started (0: none started, or someone else's)
 
 
-def _acquire_ray(address: str | None, num_cpus: float | None, num_gpus: int | None, temp_dir: str | None,
+def acquire_ray(address: str | None, num_cpus: float | None, num_gpus: int | None, temp_dir: str | None,
                  log_to_driver: bool, object_store_memory: int | None) -> bool:
-    """Make sure Ray is up; True when this module owns the session (then `_release_ray` must follow)."""
+    """Make sure Ray is up; True when this module owns the session (then `release_ray` must follow)."""
     global _ray_users
     ray = import_ray()
     with _ray_lock:
@@ -77,7 +77,8 @@ def _init_ray(ray: Any, address: str | None, num_cpus: float | None, num_gpus: i
         _start_reaper()
 
 
-def _release_ray() -> None:
+def release_ray() -> None:
+    """Let go of a session `acquire_ray` said this module owns: the last holder shuts Ray and its reaper down."""
     global _ray_users
     ray = import_ray()
     with _ray_lock:
@@ -88,8 +89,8 @@ def _release_ray() -> None:
 
 
 # A controller killed outright (SIGKILL, the OOM killer) leaves the raylet's dashboard and runtime-env agents holding
-# their loopback ports for about 60 s; tandem starts ray_reaper.py beside its own Ray to end them (it says why and how).
-REAPER = Path(__file__).with_name("ray_reaper.py")
+# their loopback ports for about 60 s; tandem starts reaper.py beside its own Ray to end them (it says why and how).
+REAPER = Path(__file__).with_name("reaper.py")
 _reaper: Any = None  # the reaper of the Ray this module started (subprocess.Popen), while it runs
 
 
