@@ -56,17 +56,18 @@ def test_the_warm_start_stops_on_its_samples_not_on_one_greedy_check(monkeypatch
 
     import tandem.demo as demo
     from tandem.data import arithmetic
+    from tandem.demo import arithmetic as warm  # where the warm start finds its samplers
 
     spec = demo.DemoModelSpec(hidden_size=32, layers=1, intermediate_size=64, warm_batch=4, warm_max_steps=200)
     tokenizer = demo.build_tokenizer(arithmetic.corpus(), spec.vocab_size)
-    monkeypatch.setattr(demo, "greedy_answers", lambda model, tok, rows: [r["answer"] for r in rows])  # always agrees
+    monkeypatch.setattr(warm, "greedy_answers", lambda model, tok, rows: [r["answer"] for r in rows])  # always agrees
     checks = []
 
     def sampled(model, tok, rows, n, temperature=1.0, seed=0):  # noise at the first two checks, then the teacher's
         checks.append((n, temperature))
         return [[r["answer"] if len(checks) > 2 else "x"] * n for r in rows]
 
-    monkeypatch.setattr(demo, "sampled_answers", sampled)
+    monkeypatch.setattr(warm, "sampled_answers", sampled)
     assert demo.warm_start(demo.build_model(spec, tokenizer), tokenizer, spec) == (1.0, 1.0, 1.0, 75)
     assert checks == [(4, 1.0)] * 3
     checks.clear()

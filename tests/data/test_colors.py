@@ -67,9 +67,10 @@ def test_demo_vision_names_the_vision_demo_model(monkeypatch):
     import tandem.demo as demo
     from tandem.cli import _demo_model
     from tandem.config import load_config
+    from tandem.demo import catalog  # where demo_model finds the vision demo's builder
 
     built = []
-    monkeypatch.setattr(demo, "vision_demo_model", lambda spec, root=None: built.append(spec) or Path("v"))
+    monkeypatch.setattr(catalog, "vision_demo_model", lambda spec, root=None: built.append(spec) or Path("v"))
     assert _demo_model(load_config(EXAMPLES / "vision.yaml", [], demo.DEMO_DEFAULTS)) == Path("v")
     assert built == [demo.VisionDemoSpec()]
 
