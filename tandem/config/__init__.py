@@ -6,7 +6,7 @@ the config reference is generated (`tandem config --doc`).
 
 The package by concern: the sections, each field documented where it is defined (`run.py`: run, model, data;
 `rollout.py`: rollout, env; `algo.py`: batch, algo, optim, lora; `scoring.py`: rewards, reward_pool, eval;
-`placement.py`), the whole config (`schema.py`) and its cross-field checks (`checks.py`), other frameworks' names
+`placement.py`), the whole config and its cross-field checks (`schema.py`), other frameworks' names
 (`aliases.py`), the loader (`loader.py`), the generated reference (`reference.py`). Checking a config imports nothing
 heavy (no torch, no model library): what a check needs to know of the rest of tandem is stated here (`trackers.py`,
 `algo.REGISTERED`), and the import contract (pyproject.toml) keeps it so.
