@@ -9,8 +9,9 @@ each, into their own folders under --runs (a new temporary folder by default). E
 (the prefixes of tests/run/signal_runs.py's TIMING) must be equal exactly, floats too: the same code path on the
 same machine is bit-identical, so any difference is a change of behaviour, not noise. The demos' models come from
 the demo cache (tandem.demo.cache_root: $TANDEM_CACHE, else ~/.cache/tandem), shared by every checkout: a change to
-a model's builder that keeps its spec reuses the model built before it; set TANDEM_CACHE to an empty folder to
-build them anew (a few minutes more) and check the builders too.
+a model's builder that keeps its spec reuses the model built before it, unchecked. Set TANDEM_CACHE to an empty
+folder to build the four anew (10-20 minutes on 2 busy cores) and check the builders too: a build is deterministic,
+so the same code builds the cached model bit for bit.
 """
 from __future__ import annotations
 
