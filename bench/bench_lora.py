@@ -13,7 +13,7 @@ each for full fine-tuning and for LoRA (rank --rank on every attention and MLP p
                model for KL, which LoRA replaces by the base with its adapters off), and the update phase's peak
                device bytes (weights + state + activations; bench_memory explains how it is tracked on CPU).
 
-Targets (issue: LoRA GRPO): LoRA's sync bytes <= 5% of full's; optimizer + gradient bytes >= 10x smaller. The
+Targets: LoRA's sync bytes <= 5% of full's; optimizer + gradient bytes >= 10x smaller. The
 machine's fp32 matmul rate at one thread is printed: figures of other machines compare as ratios only.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ planned reshard into preallocated tensors (as an engine's own weights are filled
 processes share a host: the default) and over gloo p2p alone (`p2p`, the path between hosts); the naive path
 (all_gather every parameter's local shards onto every rank, then slice) in time and bytes; and a disk round trip (rank 0
 saves the full model with safetensors, every rank loads it and slices; the full model is assumed already on rank 0, and
-the page cache is warm, both in the disk path's favour), and the round trip the issue names, `save_pretrained` on rank 0
+the page cache is warm, both in the disk path's favour), and the round trip an engine reloading from disk pays, `save_pretrained` on rank 0
 then `from_pretrained` on every rank (`hf/time`). Times are the slowest rank's, median of --repeats after one warm-up
 (the hf round trip's too). Every result is checked bit for bit.
 """
@@ -134,7 +134,7 @@ def disk(rank: int, dst: ModelLayout, full: dict[str, torch.Tensor], folder: str
 
 
 def hf_round_trip(rank: int, shape: Qwen2Shape, folder: str) -> None:
-    """The path the issue names: rank 0 `save_pretrained`s a real Qwen2 of the dense shape (tied embeddings off,
+    """The disk round trip: rank 0 `save_pretrained`s a real Qwen2 of the dense shape (tied embeddings off,
     like the parameter set), every rank `from_pretrained`s it (what an engine reloading from disk pays)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -216,7 +216,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
                   f"{t2 * 1e3:>7.1f} {tn * 1e3:>8.1f} {tn / tp:>6.1f}x {less} {td * 1e3:>8.1f} {td / tp:>6.1f}x "
                   f"{t_hf / tp:>6.1f}x "
                   f"{'yes' if ok else 'NO':>5}")
-        print(f"hf: save_pretrained on rank 0 + from_pretrained on every rank (the issue's disk round trip) took "
+        print(f"hf: save_pretrained on rank 0 + from_pretrained on every rank (an engine reloading from disk) took "
               f"{t_hf * 1e3:.0f} ms; disk: raw safetensors save + load + slice, warm page cache (the harder baseline)")
     dist.barrier()
     dist.destroy_process_group()
