@@ -251,7 +251,7 @@ class ModelProfile:
         """A vision-language model's parameters outside its language model and head, by name: its vision tower and
         the connector that projects the tower's features into the language model ({} for a text model)."""
         prefixes = tuple(f"{p}." for p in (self.vision_tower, self.connector) if p)
-        return {n: p for n, p in model.named_parameters() if prefixes and n.startswith(prefixes)}
+        return {n: p for n, p in model.named_parameters() if n.startswith(prefixes)} if prefixes else {}
 
 
 def profile(path: str | Path) -> ModelProfile:
