@@ -260,8 +260,9 @@ def profile(path: str | Path) -> ModelProfile:
 
 
 def profile_of(model) -> ModelProfile:
-    """A loaded model's profile, from its config: what `profile` decides from the folder it came from."""
-    return resolve(model.config.to_dict())
+    """A loaded model's profile, from its config: what `profile` decides from the folder it came from (the
+    config's own model_type: `to_dict` writes its class's)."""
+    return resolve(dict(model.config.to_dict(), model_type=model.config.model_type))
 
 
 def resolve(config: dict, path: str = "") -> ModelProfile:

@@ -8,6 +8,7 @@ from typing import Hashable
 
 import torch
 
+from tandem.architectures import profile_of
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine, _draw, uniforms
 
@@ -201,7 +202,7 @@ class HFStream(StreamRequests):
 
     def __init__(self, engine: HFEngine, sampling: Sampling, slots: int):
         super().__init__()
-        if not engine.profile.streams:  # refused before any model loads too (tandem.run.preflight)
+        if not profile_of(engine.model).streams:  # its model as it is; refused before any model loads too
             raise ValueError(f"the hf engine streams the model zoo's architectures with full attention in every "
                              f"layer, not this {engine.model.config.model_type!r}; use placement.schedule: async")
         self.engine, self.sampling = engine, sampling
