@@ -242,7 +242,8 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int) ->
         "model.freeze_vision=false",  # every parameter trains, as in TRL (checked: `weight_change`)
     ]
     cfg = load_config(None, overrides)
-    prompt_ids = sorted({tuple(p.ids) for p in _prompts(cfg, _vision(cfg, profile(cfg.model.path)))[0]})  # what tandem trains on
+    vision = _vision(cfg, profile(cfg.model.path))
+    prompt_ids = sorted({tuple(p.ids) for p in _prompts(cfg, vision)[0]})  # what tandem trains on
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] > 0]

