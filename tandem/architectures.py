@@ -161,8 +161,6 @@ def language_model_targets(modules: list[str] | str, language_model: str, linear
     return rf"{re.escape(language_model)}\.(?:.*\.)?(?:{'|'.join(map(re.escape, names))})"
 
 
-
-
 @dataclass(frozen=True)
 class ModelProfile:
     """What a checkpoint is, decided once from its config.json (`profile`; a live model's: `profile_of`), read by

@@ -16,11 +16,11 @@ from tandem.workers import placement
 log = logging.getLogger(__name__)
 
 
-def check_before_loading(cfg: Config, p: ModelProfile | None = None) -> ModelProfile:
+def check_before_loading(cfg: Config) -> ModelProfile:
     """Everything that can be refused before any model loads: the model folder (and a distillation teacher's, with
     its tokenizer), the architecture in this engine, placement and schedule (`check_supported`), the devices that
     placement needs, LoRA's targets (on no weights), the environment's arguments, the reward models' checkpoints and
-    the judges' folders. Returns the model's profile (`p`, or resolved here once the folder is checked)."""
+    the judges' folders. Returns the model's profile, resolved here once its folder is checked."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     check_model_folder(cfg.model.path)
@@ -28,7 +28,7 @@ def check_before_loading(cfg: Config, p: ModelProfile | None = None) -> ModelPro
         check_model_folder(cfg.algo.distill.teacher, "algo.distill.teacher")
         check_same_tokenizer(cfg.model.path, cfg.algo.distill.teacher, "algo.distill.teacher",
                              cfg.model.trust_remote_code)
-    p = p or profile(cfg.model.path)
+    p = profile(cfg.model.path)
     check_supported(cfg, p)
     placement.check_devices(cfg)
     lora.check(cfg.lora, p, cfg.model.trust_remote_code)
