@@ -100,9 +100,8 @@ class Policy:
         `model_profile`: the policy's profile (tandem.architectures; resolved from `model_path` when not given).
 
         `freeze_vision` (model.freeze_vision): a vision-language model's vision side (`ModelProfile.vision_side`) gets
-        no gradients
-        and no optimizer state. `frozen` names its weights wherever it does not train (frozen, or under LoRA, which
-        adapts the language model only): weights that never change, which a weight sync sends once.
+        no gradients and no optimizer state. `frozen` names its weights wherever it does not train (frozen, or under
+        LoRA, which adapts the language model only): weights that never change, which a weight sync sends once.
         """
         from tandem.train.parallel import parallelize
 

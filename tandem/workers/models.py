@@ -127,13 +127,13 @@ class TeacherWorker:
         self.device = torch.device(ctx.device)
         self.teacher = load_causal_lm(cfg.algo.distill.teacher, m.dtype, m.trust_remote_code).eval()
         self.teacher.requires_grad_(False).to(self.device)
-        teacher = profile(cfg.algo.distill.teacher)
-        self.routing = teacher.routing(self.teacher)
+        teacher_profile = profile(cfg.algo.distill.teacher)
+        self.routing = teacher_profile.routing(self.teacher)
         self.pad_id = load_tokenizer(m.path, m.trust_remote_code).pad_token_id  # the policy's: checked the same
         t = cfg.rollout.temperature
         self.temperature = t if t > 0 else 1.0  # as the policy scores (Policy.temperature)
         self.budget = cfg.batch.micro_batch_tokens
-        self.share_prompts = bool(teacher.prompts_once)
+        self.share_prompts = bool(teacher_profile.prompts_once)
 
     @torch.no_grad()
     def logprobs(self, samples: Samples) -> tuple[list[list[float]], float]:

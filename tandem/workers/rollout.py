@@ -22,7 +22,7 @@ from tandem.workers.group import WorkerContext
 from tandem.workers.stream import StreamGroup, StreamReport, StreamSampler
 
 
-def engine_args(cfg: Config, model: ModelProfile, device: str = "cpu") -> tuple[str, dict]:
+def engine_args(cfg: Config, model_profile: ModelProfile, device: str = "cpu") -> tuple[str, dict]:
     """The engine's name and constructor arguments from the config and the model's profile; `device` is the
     worker's (vLLM picks its own)."""
     m, r = cfg.model, cfg.rollout
@@ -34,7 +34,7 @@ def engine_args(cfg: Config, model: ModelProfile, device: str = "cpu") -> tuple[
                   kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,
                   sync_bucket_mb=r.sync_bucket_mb, enable_sleep=v.enable_sleep,
                   enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=r.tensor_parallel)
-    if model.images:  # its images resized as the trainer's processor resizes them (data.max_pixels)
+    if model_profile.images:  # its images resized as the trainer's processor resizes them (data.max_pixels)
         processor = load_processor(m.path, m.trust_remote_code).image_processor
         kwargs["mm_processor_kwargs"] = image_resize(cfg.data.max_pixels, cfg.data.min_pixels, processor.to_dict())
     if v.mode == "server":
