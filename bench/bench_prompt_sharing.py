@@ -60,7 +60,7 @@ def main() -> None:
                 bench_trl.build_model(Path(tmp) / model, w)
                 engines[model] = (HFEngine(str(Path(tmp) / model)), w)
             engine, w = engines[model]
-            assert shares(engine.model, n), "the shared path must be the one timed"
+            assert shares(engine.profile, engine.model, n), "the shared path must be the one timed"
             prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(P)] for i in range(U)]
             s = Sampling(n=n, max_new_tokens=new, temperature=1.0, ignore_eos=True, seed=0)
             timed(engine, prompts, s, True)  # warm-up

@@ -223,6 +223,7 @@ def run_trl(w: Workload, model: Path, out: Path, steps: int, threads: int) -> di
 def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int) -> dict:
     from safetensors.torch import load_file
 
+    from tandem.architectures import profile
     from tandem.config import load_config
     from tandem.trainer import _prompts, _vision, train
 
@@ -241,7 +242,8 @@ def run_tandem(w: Workload, model: Path, out: Path, steps: int, threads: int) ->
         "model.freeze_vision=false",  # every parameter trains, as in TRL (checked: `weight_change`)
     ]
     cfg = load_config(None, overrides)
-    prompt_ids = sorted({tuple(p.ids) for p in _prompts(cfg, _vision(cfg))[0]})  # what tandem trains on
+    vision = _vision(cfg, profile(cfg.model.path))
+    prompt_ids = sorted({tuple(p.ids) for p in _prompts(cfg, vision)[0]})  # what tandem trains on
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] > 0]

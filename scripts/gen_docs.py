@@ -91,16 +91,18 @@ def cli_block() -> str:
 
 
 def architectures_block() -> str:
-    """tandem.architectures.SUPPORT: where each architecture runs, and what LoRA adapts in it by default."""
+    """tandem.architectures.SUPPORT: where each architecture runs, what LoRA adapts in it by default, and what its
+    profile says of its parts, its experts and how its prompts run once."""
+    once = {"kv": "its KV cache", "state": "its recurrent state", "": "no"}
     out = [support_table(), "", "| `model_type` | LoRA's default modules | LoRA's default parameters | "
-           "mixture of experts | `placement.schedule: stream` |", "|---|---|---|---|---|"]
+           "mixture of experts (config.json's count) | prompts run once in the trainer | language model, layers |",
+           "|---|---|---|---|---|---|"]
     for kind, s in SUPPORT.items():
         parameters = ", ".join(f"`{p}`" for p in s.lora_parameters) or (
             f"none (experts refused: {s.no_expert_lora})" if s.no_expert_lora else "none")
-        stream = ("vLLM (hf: refused, sliding-window layers)" if s.local_layers else
-                  "vLLM (hf: refused, linear-attention layers)" if s.linear_attention else "yes")
-        out.append(f"| `{kind}` | {', '.join(f'`{m}`' for m in s.lora)} | {parameters} | "
-                   f"{'yes' if s.experts else 'no'} | {stream} |")
+        experts = f"yes ({', '.join(f'`{k}`' for k in s.expert_keys)})" if s.experts else "no"
+        out.append(f"| `{kind}` | {', '.join(f'`{m}`' for m in s.lora)} | {parameters} | {experts} | "
+                   f"{once[s.prompts_once]} | `{s.language_model}`, `{s.decoder_layers}` |")
     return "\n".join(out)
 
 

@@ -176,7 +176,8 @@ def _config(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem", description="GRPO post-training for Hugging Face language and vision-language models.")
+    p = argparse.ArgumentParser(prog="tandem",
+                                description="GRPO post-training for Hugging Face language and vision-language models.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     verbose = argparse.ArgumentParser(add_help=False)  # -v after the command too; unset there, the one before holds
     verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")

@@ -152,13 +152,18 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tok
 
 
-def is_vision_model(path: str | Path) -> bool:
-    """Whether the checkpoint is a vision-language model (its config.json has a vision_config): it loads as an
-    image-text-to-text model, with a processor for its images."""
-    try:
-        return "vision_config" in read_json(Path(path) / "config.json")
-    except (OSError, ValueError):
-        return False
+def takes_images(config: dict) -> bool:
+    """Whether a config.json (as a dict) is a vision-language model's (it has a vision_config): it loads as an
+    image-text-to-text model, with a processor for its images. tandem.architectures' profile records the answer for
+    everything above this layer; the loaders here ask the config they load."""
+    return "vision_config" in config
+
+
+def _auto_class(path: str | Path):
+    """The transformers auto class that loads the checkpoint (`takes_images`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if takes_images(read_json(Path(path) / "config.json")) else AutoModelForCausalLM
 
 
 def load_processor(path: str | Path, trust_remote_code: bool = False):
@@ -203,16 +208,14 @@ def _without_video(cls: type) -> type:
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False):
-    """The model that writes the completions: a causal LM, or a vision-language model (`is_vision_model`) as its
+    """The model that writes the completions: a causal LM, or a vision-language model (`takes_images`) as its
     image-text-to-text class, which takes the images' tensors beside the ids."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     check_model_files(Path(path))  # transformers' own errors about these files seldom name the file
     hf_logging.disable_progress_bar()  # one bar per load drowns the run's own progress
 
-    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
-    model = auto.from_pretrained(
+    model = _auto_class(path).from_pretrained(
         str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
         attn_implementation=_attention(path, trust_remote_code),
     )
@@ -247,12 +250,11 @@ def _attention(path: str | Path, trust_remote_code: bool) -> str:
 def weightless_model(path: str | Path, trust_remote_code: bool = False):
     """The model in `path` built from its config.json on the meta device: its names and shapes, no memory, no
     weights read (what checks made before any model loads look at)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
     with torch.device("meta"):
-        return auto.from_config(config, trust_remote_code=trust_remote_code)
+        return _auto_class(path).from_config(config, trust_remote_code=trust_remote_code)
 
 
 def rope_positions(model, ids: torch.Tensor, attention_mask: torch.Tensor, images: dict[str, torch.Tensor],

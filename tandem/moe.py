@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from functools import partial
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
@@ -23,26 +23,26 @@ def _sigmoid_weights(router: torch.nn.Module, logits: torch.Tensor, used: torch.
     return top * router.routed_scaling_factor
 
 
-# The routers tandem knows, by class name, each with how it weighs the experts it is given. Each returns (logits, the
-# chosen experts' weights, their indices). Qwen3-MoE and Mixtral choose the top-k of softmax(logits) in float32 and
-# differ only in whether the chosen weights are renormalized to sum to 1 (Qwen3-MoE: as its config's norm_topk_prob
-# says; Mixtral and Qwen3.5-MoE: always); GLM-4.5 and DeepSeek-V3 choose by sigmoid scores plus a correction bias
-# within their best groups; gpt-oss takes the top-k of its (biased) logits and softmaxes those alone, in the logits'
-# dtype. A replayed forward recomputes the weights the router's way from its own logits, so the gradient reaches the
-# router through the weights of the experts it was given, as it reaches it through those of the experts it chose.
-_WEIGHTS = {
-    "Qwen3MoeTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, bool(router.norm_topk_prob)),
-    "MixtralTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, True),
-    "Glm4MoeTopkRouter": _sigmoid_weights,
-    "Qwen3_5MoeTopKRouter": lambda router, logits, used: _softmax_weights(logits, used, True),
-    "GptOssTopKRouter": lambda router, logits, used: torch.softmax(logits.gather(-1, used), dim=-1),
-    "DeepseekV3TopkRouter": _sigmoid_weights,
+# How a router weighs the experts it chose, by name (tandem.architectures.SUPPORT names each MoE's router classes with
+# theirs). Each returns the chosen experts' weights. Qwen3-MoE and Mixtral choose the top-k of softmax(logits) in
+# float32 and differ only in whether the chosen weights are renormalized to sum to 1 (Qwen3-MoE: as its config's
+# norm_topk_prob says; Mixtral and Qwen3.5-MoE: always); GLM-4.5 and DeepSeek-V3 choose by sigmoid scores plus a
+# correction bias within their best groups; gpt-oss takes the top-k of its (biased) logits and softmaxes those alone,
+# in the logits' dtype. A replayed forward recomputes the weights the router's way from its own logits, so the
+# gradient reaches the router through the weights of the experts it was given, as it reaches it through those of the
+# experts it chose.
+WEIGHINGS = {
+    "softmax_norm_topk_prob": lambda router, logits, used: _softmax_weights(logits, used, bool(router.norm_topk_prob)),
+    "softmax_renormalized": lambda router, logits, used: _softmax_weights(logits, used, True),
+    "sigmoid": _sigmoid_weights,
+    "softmax_of_top": lambda router, logits, used: torch.softmax(logits.gather(-1, used), dim=-1),
 }
 
 
-def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's MoE routers in layer order; empty for a dense model (or a router class tandem does not know)."""
-    return [m for m in model.modules() if type(m).__name__ in _WEIGHTS]
+def routers(model: torch.nn.Module, classes: Mapping[str, str]) -> list[torch.nn.Module]:
+    """The model's MoE routers in layer order: its modules of the `classes` (router class name -> weighing, a
+    profile's `routers`); empty for a dense model."""
+    return [m for m in model.modules() if type(m).__name__ in classes]
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -83,11 +83,13 @@ class Routing:
     """Forward hooks on a model's routers. Outside `capture` they do nothing. Inside, each router forward is
     recorded, and with `routes` given, the forward uses them where `routed` says (its own choice elsewhere)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = routers(model)
+    def __init__(self, model: torch.nn.Module, classes: Mapping[str, str]) -> None:
+        """`classes`: the router class names -> their weighing (`WEIGHINGS`), as the model's profile has them."""
+        self.routers = routers(model, classes)
         if not self.routers:
-            raise ValueError(f"{type(model).__name__}: no mixture-of-experts router tandem knows "
-                             f"({', '.join(sorted(_WEIGHTS))})")
+            raise ValueError(f"{type(model).__name__}: no mixture-of-experts router of the classes "
+                             f"{', '.join(sorted(classes)) or 'its profile names (none: a dense model)'}")
+        self._weighs = {name: WEIGHINGS[how] for name, how in dict(classes).items()}
         self.num_experts, self.top_k = int(self.routers[0].num_experts), int(self.routers[0].top_k)
         self._record: Record | None = None
         self._replay: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -126,7 +128,7 @@ class Routing:
             raise ValueError(f"router replay: {routes.shape[0]} routed rows given, the router sees {chosen.shape[0]}")
         given = routes[:, layer].to(chosen.device, chosen.dtype)
         used = torch.where(routed.to(chosen.device)[:, None], given, chosen)
-        top = _WEIGHTS[type(router).__name__](router, logits, used)
+        top = self._weighs[type(router).__name__](router, logits, used)
         record.add(layer, chosen, used, logits)
         return logits, top.to(weights.dtype), used
 

@@ -7,14 +7,13 @@ from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from tandem.algo import ADVANTAGES
-from tandem.architectures import QWEN_VL_CPU, check_supported
+from tandem.architectures import ModelProfile
 from tandem.config import Config, ConfigError
 from tandem.data.images import image_resize
 from tandem.data.sources import Prompt, PromptStream, load_prompts
-from tandem.modeling import check_model_folder, check_same_tokenizer, is_vision_model, load_processor, load_tokenizer
+from tandem.modeling import load_processor, load_tokenizer
 from tandem.rewards import RewardScorer
 from tandem.rollout import Samples, judge
 from tandem.run import checkpoint
@@ -22,11 +21,11 @@ from tandem.run.card import model_card
 from tandem.run.directory import RunLock, Start, claim
 from tandem.run.evaluation import RESULTS_FILE, Evaluation, evaluate, results, write_json
 from tandem.run.metrics import METRICS_FILE, MetricsLog
+from tandem.run.preflight import check_before_loading
 from tandem.run.signals import StopSignals, Stopped
 from tandem.run.trackers import RunInfo, Trackers
 from tandem.run.source import RolloutSource, sampling_for
 from tandem.run.vision import VisionPrompts
-from tandem.train import lora, reward_model
 from tandem.util.rng import rng_state, set_rng_state
 from tandem.workers import models, placement
 from tandem.workers.group import Pending, local_device
@@ -51,6 +50,7 @@ class Run:
     stop: StopSignals = field(default_factory=StopSignals)  # `train` passes its own; this one never fires
     last_finished: float = 0.0  # wall-clock end of the last finished step's weight sync
     last_eval: Evaluation | None = None  # the latest evaluation (`run_eval`), per reward, per task and per sample
+    profile: ModelProfile | None = None  # the model's (tandem.architectures.profile), resolved once by `start_run`
 
     def close(self) -> None:
         try:
@@ -305,8 +305,8 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
     directory, rewards), then start the workers and resume them from the last checkpoint. `resume`: True or False
     (`resume` / `start`), or a `tandem.run.directory.Start`. `claim_output_dir=False` (evaluation) neither locks nor
     reads run.output_dir. `stop`: the run's stop signals (default: ones that never fire)."""
-    _check_before_loading(cfg)
-    vision = _vision(cfg)
+    model = check_before_loading(cfg)  # the model's profile, resolved once for the run
+    vision = _vision(cfg, model)
     train_prompts, eval_prompts = _prompts(cfg, vision)
     judge.check_fields(cfg.rewards, {"training": [p.row for p in train_prompts],
                                      "held-out": [p.row for p in eval_prompts]})
@@ -330,7 +330,8 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
         start_step = 0 if last is None else _resume(cfg, workers, stream, last)
         correct = cfg.rewards[0].name
         source = RolloutSource(cfg, stream, workers, scorer, correct, start_step, stop.check, vision)
-        run = Run(cfg, workers, source, scorer, correct, eval_prompts, start_step, last is not None, lock, stop)
+        run = Run(cfg, workers, source, scorer, correct, eval_prompts, start_step, last is not None, lock, stop,
+                  profile=model)
         undo.pop_all()
     return run
 
@@ -351,55 +352,9 @@ def _attach_rewards(scorer: RewardScorer, workers: Placement) -> None:
         e.rf.fn.attach(workers.reward_hosts[i], e.key)
 
 
-def _check_before_loading(cfg: Config) -> None:
-    """What can be refused before any model loads: the model folder (and a distillation teacher's, with its
-    tokenizer), its architecture in this engine and placement, the devices that placement needs, LoRA's targets (on
-    no weights), the environment's arguments, the reward models' checkpoints and the judges' folders."""
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    check_model_folder(cfg.model.path)
-    if cfg.algo.distill.teacher:
-        check_model_folder(cfg.algo.distill.teacher, "algo.distill.teacher")
-        check_same_tokenizer(cfg.model.path, cfg.algo.distill.teacher, "algo.distill.teacher",
-                             cfg.model.trust_remote_code)
-    if is_vision_model(cfg.model.path):
-        _check_vision(cfg)  # what it runs on so far, narrower than the model zoo's table
-    else:
-        check_supported(cfg)
-    placement.check_devices(cfg)
-    lora.check(cfg.lora, cfg.model.path, cfg.model.trust_remote_code)
-    reward_model.check(cfg.rewards)
-    judge.check(cfg.rewards)
-    if cfg.env.name:
-        from tandem.rollout.tools import make_environment
-
-        make_environment(cfg.env.name, **cfg.env.kwargs)
-
-
-def _check_vision(cfg: Config) -> None:
-    """A vision-language model runs so far where its images are carried: the hf engine or vLLM (in
-    process, or a server where servers run), in one process or on Ray workers (colocated or split, sync or async),
-    FSDP over the whole model; refuse the rest, naming the setting."""
-    config = (Path(cfg.model.path).expanduser() / "config.json").read_text()
-    wants = [what for what, on in (
-        ("placement.schedule: stream (use sync or async)", cfg.placement.schedule == "stream"),
-        (f"placement.tensor_parallel: {cfg.placement.tensor_parallel} (shard with FSDP: tensor_parallel 1)",
-         cfg.placement.tensor_parallel > 1),
-        (f"env.name: {cfg.env.name} (multi-turn)", bool(cfg.env.name)),
-        ("algo.distill.teacher", bool(cfg.algo.distill.teacher)),
-        ("rollout.engine: vllm without a GPU for a model with 3-D rotary positions (mrope_section in config.json: "
-         f"Qwen2-VL, Qwen2.5-VL, Qwen3-VL): {QWEN_VL_CPU}",
-         "mrope_section" in config and cfg.rollout.engine == "vllm" and not torch.cuda.is_available())) if on]
-    if wants:
-        raise ConfigError(f"model.path {cfg.model.path!r} is a vision-language model, which tandem trains so far "
-                          "with rollout.engine hf or vllm, in one process or on Ray workers (schedule sync "
-                          "or async, FSDP); not yet with "
-                          f"{'; '.join(wants)}")
-
-
-def _vision(cfg: Config) -> VisionPrompts | None:
+def _vision(cfg: Config, p: ModelProfile) -> VisionPrompts | None:
     """A vision-language model's prompt renderer (its processor), or None for a text-only model."""
-    if not is_vision_model(cfg.model.path):
+    if not p.images:
         return None
     processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
     return VisionPrompts(processor, cfg.data.chat_template, cfg.data.system_prompt,

@@ -98,8 +98,8 @@ class RunConfig(Section):
 
 class ModelConfig(Section):
     path: str = Field(
-        "", description="A local Hugging Face model folder, a causal LM or a vision-language model (config.json, safetensors, "
-        "tokenizer; a processor too for images). "
+        "", description="A local Hugging Face model folder, a causal LM or a vision-language model (config.json, "
+        "safetensors, tokenizer; a processor too for images). "
         "`tandem demo` fills this with its own warm-started model: the tiny dense Qwen2, or the one a preset names "
         "as `demo:<name>` (`demo:qwen3_moe`, examples/moe.yaml); only `tandem demo` reads such a name.",
     )

@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 
 from tandem import moe
+from tandem.architectures import profile_of
 from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer, rope_positions
 from tandem.rollout.base import Completion, Sampling
@@ -93,7 +94,8 @@ class HFEngine:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.seed = seed
         # the routes of each sampled token, for the trainer's router replay and route mismatch (tandem.moe)
-        self.routing = moe.Routing(self.model) if moe.routers(self.model) else None
+        self.profile = profile_of(self.model)  # what the engine asks of its model's architecture
+        self.routing = self.profile.routing(self.model)
         self._params = dict(self.model.named_parameters())
         for p in self._params.values():
             residency.ensure_resizable(p)  # sleep frees storages in place; a memory-mapped one cannot be
@@ -183,7 +185,7 @@ class HFEngine:
                          past_key_values=cache, use_cache=True, logits_to_keep=1, **pixels)
         logits = out.logits[:, -1, :].repeat_interleave(n, dim=0)
         del out
-        if shares(self.model, n):
+        if shares(self.profile, self.model, n):
             return logits, next_pos, SharedPromptDecoder(self.model, cache, n, most, attn).step
         _repeat_rows(cache, n)
         seen = [attn.repeat_interleave(n, dim=0)]  # the rows' attention mask so far (a step adds a column)

@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from tandem.architectures import sliding_window_layers
-
-_DECODED = ("qwen2", "llama")  # the decoder layers `SharedPromptDecoder.step` reproduces
+from tandem.architectures import ModelProfile
 
 
-def shares(model, n: int) -> bool:
-    """Whether `n` rows of each prompt decode with their prompt held once: a group (n > 1) of a Qwen2 or Llama model
-    with full attention in every layer, on CPU (the only processor it was measured on; elsewhere the HF forward)."""
-    cfg = model.config
-    if cfg.model_type not in _DECODED or next(model.parameters()).device.type != "cpu" or n < 2:
-        return False
-    if sliding_window_layers(cfg.to_dict()):
-        return False  # a sliding-window layer's mask is not this one
-    return getattr(cfg, "pretraining_tp", 1) == 1
+def shares(profile: ModelProfile, model, n: int) -> bool:
+    """Whether `n` rows of each prompt decode with their prompt held once: a group (n > 1) of a model whose decoder
+    layers `SharedPromptDecoder.step` reproduces (`profile.decodes_prompt_once`: Qwen2, Llama, full attention in every
+    layer), on CPU (the only processor it was measured on; elsewhere the HF forward)."""
+    return profile.decodes_prompt_once and n >= 2 and next(model.parameters()).device.type == "cpu"
 
 
 class SharedPromptDecoder:

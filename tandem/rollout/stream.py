@@ -8,7 +8,7 @@ from typing import Hashable
 
 import torch
 
-from tandem.architectures import SUPPORT, unstreamable_layers
+from tandem.architectures import profile_of
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine, _draw, uniforms
 
@@ -39,12 +39,6 @@ class Finished:
     request: Request
     finish_reason: str
     text: str
-
-
-def streams(model) -> bool:
-    """Whether the hf engine streams this model: an architecture of the zoo whose layers all attend to every position
-    through a KV cache (tandem.architectures' `_check_stream` says why, before any model loads)."""
-    return model.config.model_type in SUPPORT and not unstreamable_layers(model.config.to_dict())
 
 
 FILL_PADDING = 1.25  # SlotDecoder.fill: the most padded positions a prefill batch may run per real one
@@ -208,7 +202,7 @@ class HFStream(StreamRequests):
 
     def __init__(self, engine: HFEngine, sampling: Sampling, slots: int):
         super().__init__()
-        if not streams(engine.model):
+        if not profile_of(engine.model).streams:  # its model as it is; refused before any model loads too
             raise ValueError(f"the hf engine streams the model zoo's architectures with full attention in every "
                              f"layer, not this {engine.model.config.model_type!r}; use placement.schedule: async")
         self.engine, self.sampling = engine, sampling

@@ -12,7 +12,7 @@ def model_card(state: dict, kind: Kind) -> str:
     """The card of a checkpoint whose trainer state is `state` (its step, resolved config and the latest held-out
     evaluation's figures): base model, task and rewards, algorithm and its settings, steps, metrics, version."""
     from tandem import __version__
-    from tandem.modeling import is_vision_model
+    from tandem.architectures import profile
 
     cfg, step = state["config"], state["step"]
     run, algo, batch, optim, lora = cfg["run"], cfg["algo"], cfg["batch"], cfg["optim"], cfg["lora"]
@@ -20,7 +20,11 @@ def model_card(state: dict, kind: Kind) -> str:
     rewards = ", ".join(f"`{r['name']}` (weight {r['weight']:g})" for r in cfg["rewards"])
     tags = dict.fromkeys(["tandem", "grpo", "reinforcement-learning", algo["advantage"]]
                          + (["lora"] if lora["enabled"] else []))
-    pipeline = "image-text-to-text" if is_vision_model(base) else "text-generation"
+    try:
+        images = profile(base).images
+    except (OSError, ValueError):  # the base moved since the run: its card says what a text model's does
+        images = False
+    pipeline = "image-text-to-text" if images else "text-generation"
     meta = ["---", f"base_model: {base}", f"library_name: {'peft' if kind == 'adapter' else 'transformers'}",
             f"pipeline_tag: {pipeline}", "tags:", *(f"- {t}" for t in tags), "---", ""]
     what = {"full": "The policy's weights (full fine-tuning)",

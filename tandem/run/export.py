@@ -6,7 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
-from tandem.modeling import check_model_folder, is_vision_model, load_causal_lm, load_processor, load_tokenizer
+from tandem.architectures import profile
+from tandem.modeling import check_model_folder, load_causal_lm, load_processor, load_tokenizer
 from tandem.run.card import CARD_FILE, model_card
 from tandem.train.lora import ADAPTER_CONFIG
 
@@ -37,7 +38,7 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, dtype: str
         model.save_pretrained(tmp, safe_serialization=True)
         # a vision-language model's processor (its image processor and tokenizer; the checkpoint holds it), else
         # the tokenizer: what a run saves beside the weights
-        (load_processor(folder) if is_vision_model(base) else load_tokenizer(folder)).save_pretrained(tmp)
+        (load_processor(folder) if profile(base).images else load_tokenizer(folder)).save_pretrained(tmp)
         if (folder / "trainer_state.json").is_file():  # a tandem checkpoint: its card, for the merged model
             (tmp / CARD_FILE).write_text(model_card(json.loads((folder / "trainer_state.json").read_text()), "merged"))
         if target.exists():  # --force: the old folder goes only once the new one is whole

@@ -113,24 +113,6 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, t
     return logp, entropy
 
 
-def shares_prompts(model) -> bool:
-    """Architectures whose prompt-once logprobs are tested equal to the full forward's: Llama-family models with
-    full attention everywhere (a sliding-window cache would crop the prompt's keys), Qwen3.5's hybrid of full
-    attention and Gated DeltaNet (the prompt's recurrent state and convolution window carried to its rows), and a
-    vision-language model around a Llama one (Idefics3: its images enter with the prompt, once) or a Qwen2 one with
-    3-D rotary positions (Qwen2.5-VL: the prompts run at the model's own positions, their rows continue them)."""
-    cfg = model.config
-    if cfg.model_type in ("idefics3", "qwen2_5_vl"):
-        cfg = cfg.text_config
-    if cfg.model_type == "qwen3_5_text":
-        return True
-    if cfg.model_type not in ("qwen2", "llama", "qwen2_5_vl_text"):
-        return False
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        return False
-    return getattr(cfg, "sliding_window", None) is None or not getattr(cfg, "use_sliding_window", True)
-
-
 def _shared_prompt_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
     """`token_logprobs` the prompt-once way: the distinct prompts first, then, for each bucket of rows of similar
     width, the rows' prompt-last token and completion on top of their prompts' keys and values (selected by index,

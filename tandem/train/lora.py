@@ -6,10 +6,9 @@ from typing import Iterator
 
 import torch
 
-from tandem.architectures import language_model_targets, lora_targets_for
+from tandem.architectures import ModelProfile, language_model_targets, lora_targets_for
 from tandem.config import ConfigError, LoraConfig
 from tandem.lora_merge import A_SUFFIX, B_SUFFIX, merge, merge_experts
-from tandem.modeling import is_vision_model
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
 # In memory and on the wire an adapter tensor is named after the weight it adapts (tandem.lora_merge's A_SUFFIX,
@@ -19,23 +18,23 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
-def peft_config(cfg: LoraConfig, model_path: str, model):
-    """PEFT's LoraConfig for `cfg` on `model` (its weights may be on the meta device): the architecture's default
-    targets when none are named; in a vision-language model, only those of its language model."""
+def peft_config(cfg: LoraConfig, profile: ModelProfile, model):
+    """PEFT's LoraConfig for `cfg` on `model` (its weights may be on the meta device; `profile`: its checkpoint's):
+    the architecture's default targets when none are named; in a vision-language model, only those of its language
+    model (`profile.language_model`)."""
     from peft import LoraConfig as PeftLoraConfig
 
-    modules, parameters = lora_targets_for(cfg, model.config.get_text_config().model_type)
-    if is_vision_model(model_path):
-        decoder = model.get_decoder()
-        prefix = next(n for n, m in model.named_modules() if m is decoder)
+    modules, parameters = lora_targets_for(cfg, profile.model_type)
+    if profile.images:
+        decoder = profile.module(model, profile.language_model)
         linears = sorted({n.rpartition(".")[2] for n, m in decoder.named_modules() if isinstance(m, torch.nn.Linear)})
-        modules = language_model_targets(modules, prefix, linears)
+        modules = language_model_targets(modules, profile.language_model, linears)
     return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
                           target_modules=modules, target_parameters=parameters or None, task_type="CAUSAL_LM",
-                          base_model_name_or_path=str(Path(model_path).expanduser().resolve()))  # export finds it
+                          base_model_name_or_path=str(Path(profile.path).expanduser().resolve()))  # export finds it
 
 
-def wrap(model, cfg: LoraConfig, model_path: str, seed: int):
+def wrap(model, cfg: LoraConfig, profile: ModelProfile, seed: int):
     """Adapters into `model` in place (its targeted linears become LoRA layers, every base weight frozen); returns
     the PeftModel around it, whose `disable_adapter()` gives the base model back for reference logprobs.
 
@@ -45,17 +44,17 @@ def wrap(model, cfg: LoraConfig, model_path: str, seed: int):
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return get_peft_model(model, peft_config(cfg, model_path, model))
+        return get_peft_model(model, peft_config(cfg, profile, model))
 
 
-def check(cfg: LoraConfig, model_path: str, trust_remote_code: bool = False) -> None:
+def check(cfg: LoraConfig, profile: ModelProfile, trust_remote_code: bool = False) -> None:
     """Refuse, before any weights load, adapters PEFT cannot put on this model, or whose merge tandem cannot do:
-    wraps a weightless copy (meta device) built from the folder's config.json."""
+    wraps a weightless copy (meta device) built from the folder's config.json (`profile.path`)."""
     if not cfg.enabled:
         return
     from tandem.modeling import weightless_model
 
-    skeleton = weightless_model(model_path, trust_remote_code)
+    skeleton = weightless_model(profile.path, trust_remote_code)
     config = skeleton.config
     linears = sorted({n.rpartition(".")[2] for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)})
     missing = [t for t in cfg.target_modules
@@ -63,7 +62,7 @@ def check(cfg: LoraConfig, model_path: str, trust_remote_code: bool = False) -> 
     if missing:
         raise ConfigError(f"lora.target_modules: {missing} match no module of this {config.model_type} model; its "
                           f"linear layers are {linears} (or leave the list empty for the architecture's default)")
-    _, parameters = lora_targets_for(cfg, config.get_text_config().model_type)
+    _, parameters = lora_targets_for(cfg, profile.model_type)
     stacked = sorted({n.split(".", 3)[-1] for n, p in skeleton.named_parameters() if p.dim() == 3})
     missing = [t for t in parameters if not any(n == t or n.endswith("." + t) for n, _ in skeleton.named_parameters())]
     if missing:
@@ -76,7 +75,7 @@ def check(cfg: LoraConfig, model_path: str, trust_remote_code: bool = False) -> 
     try:
         from peft import get_peft_model
 
-        wrapped = get_peft_model(skeleton, peft_config(cfg, model_path, skeleton))
+        wrapped = get_peft_model(skeleton, peft_config(cfg, profile, skeleton))
     except (ValueError, TypeError, NotImplementedError) as exc:
         raise ConfigError(f"lora: PEFT cannot put adapters on this {config.model_type} model ({exc}); name linear "
                           f"layers in lora.target_modules (this model's: {linears}), or train it without LoRA "

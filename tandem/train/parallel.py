@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from tandem.architectures import ModelProfile
 from tandem.util import residency
 
 # Prefixes that wrappers add to parameter names (activation checkpointing, torch.compile); FSDP2 and TP add none.
@@ -193,30 +194,6 @@ def build_mesh(ctx_group_ranks: list[int], dp: int, tp: int, device_type: str) -
     return DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (model.model.layers for Qwen2/Llama/Mistral), or of a
-    vision-language model's language model (Idefics3's model.text_model.layers, Qwen-VL's
-    model.language_model.layers)."""
-    base = getattr(model, "model", model)
-    base = getattr(base, "language_model", None) or getattr(base, "text_model", None) or base
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(f"parallelize: {type(model).__name__} has no .model.layers; "
-                         "only decoder-only LMs are supported")
-    return list(layers)
-
-
-def vision_layers(model: nn.Module) -> list[nn.Module]:
-    """A vision-language model's vision tower's blocks (Idefics3's encoder layers, Qwen-VL's blocks); [] for a text
-    model. FSDP shards each as a decoder layer is, so a big tower's full weights too live only while it runs."""
-    base = getattr(model, "model", model)
-    tower = getattr(base, "vision_model", None) or getattr(base, "visual", None)
-    if tower is None:
-        return []
-    encoder = getattr(tower, "encoder", tower)
-    return list(getattr(encoder, "layers", None) or getattr(encoder, "blocks", None) or [])
-
-
 def _check_tp(model: nn.Module, tp: int) -> None:
     cfg = model.config
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "linear_num_key_heads",
@@ -240,9 +217,10 @@ def _store_in_block_order(linear: nn.Linear, order: torch.Tensor) -> None:
         p.copy_(p[order])  # indexing copies first, so no row is read after it was overwritten
 
 
-def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
+def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, layers: list[nn.Module]) -> TPState:
     """Each decoder layer's projections column- or row-parallel over `tp_mesh` (fused ones by parts, in block
-    order), Phi-3's attention told its rank's head counts, and the parameters with partial gradients named."""
+    order), Phi-3's attention told its rank's head counts, and the parameters with partial gradients named. `layers`:
+    the model's decoder layers."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
@@ -255,7 +233,7 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
     def sum_rotary_key_grad(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         return _RotaryKeyGrad.apply(out, latent, group)
 
-    for layer in decoder_layers(model):
+    for layer in layers:
         prefix = names[id(layer)]
         plan = ({n: ColwiseParallel() for n in _COLWISE if _has(layer, n)}
                 | {n: RowwiseParallel() for n in _ROWWISE if _has(layer, n)})
@@ -283,9 +261,11 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPState:
     return TPState(orders, tuple(partial), group)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh | None, expert_parallel: int = 1) -> TPState:
+def parallelize(model: nn.Module, mesh: DeviceMesh | None, profile: ModelProfile, expert_parallel: int = 1
+                ) -> TPState:
     """TP over "tp" in each decoder layer, then FSDP2 (ZeRO-3) per layer and at the root over "dp". In place;
-    returns what TP leaves to the caller (fused weights' row orders, parameters with partial gradients).
+    returns what TP leaves to the caller (fused weights' row orders, parameters with partial gradients). `profile`
+    (tandem.architectures): where the model's decoder layers and vision tower's blocks are.
 
     Embeddings, norms and the LM head stay whole on every tp rank (so tied embeddings stay tied and the logits
     need no gather); FSDP shards them over dp like everything else. Parameters compute in their own dtype
@@ -301,7 +281,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, expert_parallel: int 
     if expert_parallel > 1 and tp > 1:
         raise ValueError(f"placement.expert_parallel: {expert_parallel} with placement.tensor_parallel: {tp} is not "
                          "supported; use one of them")
-    state = _tensor_parallel(model, mesh["tp"]) if tp > 1 else TPState()
+    state = _tensor_parallel(model, mesh["tp"], profile.layers(model)) if tp > 1 else TPState()
     if dp > 1 or tp > 1:
         # With tp > 1 and dp == 1 FSDP still wraps (over a mesh of one): it costs nothing and keeps one code path
         # (DTensor parameters everywhere, the same state-dict and gather helpers).
@@ -314,8 +294,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, expert_parallel: int 
             emesh = expert_mesh(dp_mesh, expert_parallel, _group)
             for experts in shard_experts(model, emesh):  # their own FSDP group, before their layer takes the rest
                 fully_shard(experts, mesh=emesh["edp"], reshard_after_forward=True)
-        for layer in vision_layers(model) + decoder_layers(model):
-            # ZeRO-3: a layer's full weights live only while it runs (one more all-gather in backward for memory).
+        for layer in profile.tower_layers(model) + profile.layers(model):
+            # ZeRO-3: a layer's full weights live only while it runs (one more all-gather in backward for memory);
+            # a vision tower's blocks too, so a big tower's full weights do not live beside the language model's
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
         fully_shard(model, mesh=dp_mesh)
     return state

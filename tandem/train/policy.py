@@ -21,9 +21,10 @@ from tandem.algo import (
     token_loss,
 )
 from tandem.config import AlgoConfig, LoraConfig, OldLogprobs, OptimConfig
-from tandem.modeling import is_vision_model, load_causal_lm
+from tandem.architectures import ModelProfile, profile
+from tandem.modeling import load_causal_lm
 from tandem.train.batch import MicroBatch, dummy_micro_batch
-from tandem.train.logprobs import route_stats, routed_logprobs, shares_prompts
+from tandem.train.logprobs import route_stats, routed_logprobs
 from tandem.train.offload import Offloader
 from tandem.train.stats import StepStats
 
@@ -52,15 +53,6 @@ def _totals(mbs: list[MicroBatch]) -> tuple[int, int]:
     return sum(t for t, _ in parts), sum(s for _, s in parts)
 
 
-def vision_side(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """A vision-language model's parameters outside its language model and its head, by name: the vision tower and
-    the connector that projects its features into the language model (Idefics3's vision_model and connector,
-    Qwen-VL's visual with its merger, LLaVA's and Gemma 3's vision_tower and multi_modal_projector)."""
-    language = {id(p) for p in model.get_decoder().parameters()}
-    language |= {id(p) for p in model.get_output_embeddings().parameters()}
-    return {n: p for n, p in model.named_parameters() if id(p) not in language}
-
-
 def lr_lambda(cfg: OptimConfig, total_steps: int):
     """Multiplier of the peak LR at optimizer step s: linear warm-up, then constant or cosine to min_lr_ratio."""
 
@@ -84,7 +76,8 @@ class Policy:
                  total_optimizer_steps: int, temperature: float, max_completion_tokens: int, mesh=None,
                  device: str | None = None, old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED,
                  lora: LoraConfig | None = None, seed: int = 0, expert_parallel: int = 1,
-                 teacher_on_workers: bool = False, freeze_vision: bool = True):
+                 teacher_on_workers: bool = False, freeze_vision: bool = True,
+                 model_profile: ModelProfile | None = None):
         """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping);
         `expert_parallel`: EP groups of that many dp ranks share each MoE layer's experts (`parallel.parallelize`).
 
@@ -104,9 +97,11 @@ class Policy:
         `teacher_on_workers` (placement.teacher_workers): the distillation teacher runs on workers of its own, and its
         logprobs arrive with the samples (`Completion.teacher_logprobs`); none is loaded here.
 
-        `freeze_vision` (model.freeze_vision): a vision-language model's vision side (`vision_side`) gets no gradients
-        and no optimizer state. `frozen` names its weights wherever it does not train (frozen, or under LoRA, which
-        adapts the language model only): weights that never change, which a weight sync sends once.
+        `model_profile`: the policy's profile (tandem.architectures; resolved from `model_path` when not given).
+
+        `freeze_vision` (model.freeze_vision): a vision-language model's vision side (`ModelProfile.vision_side`) gets
+        no gradients and no optimizer state. `frozen` names its weights wherever it does not train (frozen, or under
+        LoRA, which adapts the language model only): weights that never change, which a weight sync sends once.
         """
         from tandem.train.parallel import parallelize
 
@@ -115,13 +110,15 @@ class Policy:
         self.max_completion_tokens = max_completion_tokens  # Dr.GRPO's constant normalizer (seq_mean_token_sum_norm)
         self.old_logprobs = OldLogprobs(old_logprobs)
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
+        self.profile = model_profile or profile(model_path)
+        self.teacher_profile = profile(algo.distill.teacher) if algo.distill.teacher else None
         self.model = load_causal_lm(model_path, dtype, trust_remote_code)
         self.lora = None  # the PeftModel around self.model when adapters train (self.model's layers are its)
         if lora is not None and lora.enabled:
             from tandem.train import lora as lora_lib
 
-            self.lora = lora_lib.wrap(self.model, lora, model_path, seed)
-        vision = vision_side(self.model) if is_vision_model(model_path) else {}
+            self.lora = lora_lib.wrap(self.model, lora, self.profile, seed)
+        vision = self.profile.vision_side(self.model)
         for p in vision.values() if freeze_vision else ():
             p.requires_grad_(False)
         self.frozen = frozenset(n for n, p in vision.items() if not p.requires_grad)
@@ -129,16 +126,17 @@ class Policy:
             self.model.to(device)
         self.model.train()
         # see logprobs.token_logprobs: FSDP's hooks want one forward per backward
-        self.share_prompts = self.mesh is None and shares_prompts(self.model)
+        self.share_prompts = self.mesh is None and bool(self.profile.prompts_once)
         self.expert_parallel = expert_parallel if self.mesh is not None else 1
-        self.tp = parallelize(self.model, self.mesh, self.expert_parallel)  # fused weights' row orders, partial grads
+        # fused weights' row orders, parameters with partial gradients
+        self.tp = parallelize(self.model, self.mesh, self.profile, self.expert_parallel)
         self.uses_ref = algo.kl_coef > 0
         # the reference: none without KL (a model's memory and a forward per step, only when used), nor with LoRA
         # (the policy with its adapters off is the reference)
-        self.ref = self._frozen(model_path, dtype, trust_remote_code, device) \
+        self.ref = self._frozen(model_path, self.profile, dtype, trust_remote_code, device) \
             if self.uses_ref and self.lora is None else None
         self.distilling = bool(algo.distill.teacher)
-        self.teacher = self._frozen(algo.distill.teacher, dtype, trust_remote_code, device) \
+        self.teacher = self._frozen(algo.distill.teacher, self.teacher_profile, dtype, trust_remote_code, device) \
             if self.distilling and not teacher_on_workers else None
         self._watch_routers(algo)
         self.device = next(self.model.parameters()).device
@@ -156,26 +154,26 @@ class Policy:
         for group in GROUPS:
             self.offloader.register(group, lambda g=group: self._tensors(g))
 
-    def _frozen(self, model_path: str, dtype: str, trust_remote_code: bool, device: str | None):
+    def _frozen(self, model_path: str, model_profile: ModelProfile, dtype: str, trust_remote_code: bool,
+                device: str | None):
         """A frozen model beside the policy (the reference, the teacher), sharded as the policy is."""
         from tandem.train.parallel import parallelize
 
         model = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
         if device is not None:
             model.to(device)
-        parallelize(model, self.mesh, self.expert_parallel)
+        parallelize(model, self.mesh, model_profile, self.expert_parallel)
         return model
 
     def _watch_routers(self, algo: AlgoConfig) -> None:
         """An MoE's router hooks (`tandem.moe.Routing`) on the policy, the reference and the teacher, and the
         load-balancing loss's weight: `algo.router_aux_coef`, or the model config's where that is None. Dense: none
         of it."""
-        self.routing = moe.Routing(self.model) if moe.routers(self.model) else None
+        self.routing = self.profile.routing(self.model)
         self.ref_routing = self.routing  # LoRA: the reference is the same model, adapters off
         if self.ref is not None:
-            self.ref_routing = moe.Routing(self.ref) if moe.routers(self.ref) else None
-        self.teacher_routing = moe.Routing(self.teacher) if self.teacher is not None and moe.routers(self.teacher) \
-            else None
+            self.ref_routing = self.profile.routing(self.ref)
+        self.teacher_routing = self.teacher_profile.routing(self.teacher) if self.teacher is not None else None
         coef = algo.router_aux_coef
         if coef is None:
             coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
@@ -278,7 +276,7 @@ class Policy:
                 start = time.perf_counter()
                 mb.teacher_logprobs = routed_logprobs(
                     self.teacher, self.teacher_routing, mb, self.temperature,
-                    share_prompts=self.mesh is None and shares_prompts(self.teacher))[0]
+                    share_prompts=self.mesh is None and bool(self.teacher_profile.prompts_once))[0]
                 teacher_s += time.perf_counter() - start
             elif self.distilling and mb.teacher_logprobs is None:
                 raise RuntimeError("algo.distill: the teacher runs on placement.teacher_workers, and this step's "

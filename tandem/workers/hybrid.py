@@ -42,7 +42,7 @@ class HybridWorker:
         multiple of T) form one engine: each makes the same generate calls, and only the first reports them."""
         self.trainer = TrainWorker(cfg, ctx)
         self.cfg, self.ctx = cfg, self.trainer.ctx
-        name, kwargs = engine_args(cfg, self.ctx.device)
+        name, kwargs = engine_args(cfg, self.trainer.profile, self.ctx.device)
         self.engine_tp = cfg.rollout.tensor_parallel if self.ctx.size > 1 else 1
         self.engine_rank = self.ctx.rank % self.engine_tp
         if name == "vllm" and self.engine_tp > 1:

@@ -9,14 +9,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from tandem import moe
+from tandem.architectures import profile
 from tandem.config import Config
 from tandem.modeling import load_causal_lm, load_tokenizer
 from tandem.rollout import judge
 from tandem.samples import Samples
 from tandem.train import reward_model
 from tandem.train.batch import make_micro_batches
-from tandem.train.logprobs import routed_logprobs, shares_prompts
+from tandem.train.logprobs import routed_logprobs
 from tandem.workers.balance import balance
 from tandem.workers.group import WorkerContext, WorkerGroup
 
@@ -127,12 +127,13 @@ class TeacherWorker:
         self.device = torch.device(ctx.device)
         self.teacher = load_causal_lm(cfg.algo.distill.teacher, m.dtype, m.trust_remote_code).eval()
         self.teacher.requires_grad_(False).to(self.device)
-        self.routing = moe.Routing(self.teacher) if moe.routers(self.teacher) else None
+        teacher_profile = profile(cfg.algo.distill.teacher)
+        self.routing = teacher_profile.routing(self.teacher)
         self.pad_id = load_tokenizer(m.path, m.trust_remote_code).pad_token_id  # the policy's: checked the same
         t = cfg.rollout.temperature
         self.temperature = t if t > 0 else 1.0  # as the policy scores (Policy.temperature)
         self.budget = cfg.batch.micro_batch_tokens
-        self.share_prompts = shares_prompts(self.teacher)
+        self.share_prompts = bool(teacher_profile.prompts_once)
 
     @torch.no_grad()
     def logprobs(self, samples: Samples) -> tuple[list[list[float]], float]:

@@ -12,18 +12,19 @@ from typing import Callable
 
 import torch
 
-from tandem.architectures import has_experts, lora_targets_for, model_type
+from tandem.architectures import ModelProfile, lora_targets_for, profile
 from tandem.config import Config
 from tandem.data.images import image_resize
-from tandem.modeling import is_vision_model, load_processor, weightless_model
+from tandem.modeling import load_processor, weightless_model
 from tandem.rollout import Completion, Rollout, Samples, Sampling, make_engine
 from tandem.sync.convert import ToCheckpoint
 from tandem.workers.group import WorkerContext
 from tandem.workers.stream import StreamGroup, StreamReport, StreamSampler
 
 
-def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
-    """The engine's name and constructor arguments from the config; `device` is the worker's (vLLM picks its own)."""
+def engine_args(cfg: Config, model_profile: ModelProfile, device: str = "cpu") -> tuple[str, dict]:
+    """The engine's name and constructor arguments from the config and the model's profile; `device` is the
+    worker's (vLLM picks its own)."""
     m, r = cfg.model, cfg.rollout
     if r.engine == "hf":
         return "hf", dict(model_path=m.path, dtype=m.dtype, seed=cfg.run.seed, trust_remote_code=m.trust_remote_code,
@@ -33,7 +34,7 @@ def engine_args(cfg: Config, device: str = "cpu") -> tuple[str, dict]:
                   kv_cache_bytes=v.kv_cache_mb << 20, gpu_memory_utilization=v.gpu_memory_utilization,
                   sync_bucket_mb=r.sync_bucket_mb, enable_sleep=v.enable_sleep,
                   enable_prefix_caching=v.enable_prefix_caching, tensor_parallel_size=r.tensor_parallel)
-    if is_vision_model(m.path):  # its images resized as the trainer's processor resizes them (data.max_pixels)
+    if model_profile.images:  # its images resized as the trainer's processor resizes them (data.max_pixels)
         processor = load_processor(m.path, m.trust_remote_code).image_processor
         kwargs["mm_processor_kwargs"] = image_resize(cfg.data.max_pixels, cfg.data.min_pixels, processor.to_dict())
     if v.mode == "server":
@@ -59,7 +60,7 @@ def sample_with(cfg: Config, engine) -> Callable[..., list[Completion]]:
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # the trainer's: ids mean the same
     limits = TurnLimits(cfg.env.max_turns, cfg.max_completion_tokens)
     make_env = functools.partial(make_environment, cfg.env.name, **cfg.env.kwargs)
-    # images: refused with env.name before any model loads (tandem.trainer._check_vision)
+    # images: refused with env.name before any model loads (tandem.run.preflight)
     return lambda prompts, sampling, images=None: converse(engine, tokenizer, prompts, sampling, make_env, limits)
 
 
@@ -81,7 +82,8 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
         self.cfg, self.ctx = cfg, ctx or WorkerContext()
-        name, kwargs = engine_args(cfg, self.ctx.device)
+        self.profile = profile(cfg.model.path)  # once per worker process: workers are built from the config alone
+        name, kwargs = engine_args(cfg, self.profile, self.ctx.device)
         if name == "vllm_server" and not kwargs.get("base_url"):
             # its output beside the run's (a server that fails says why only there), and cores of its own
             log_path = Path(cfg.run.output_dir) / "vllm-server" / f"{self.ctx.name}-{self.ctx.rank}.log"
@@ -93,8 +95,8 @@ class RolloutWorker:
         # backend (seen: "module 'triton.language' has no attribute 'float32'" at the first generate).
         # And adapters on the experts themselves (lora.target_parameters) are always merged: tandem sends them in
         # PEFT's stacked layout, which is not the per-expert one vLLM's LoRA loads.
-        moe_on_cpu = self.ctx.device == "cpu" and has_experts(cfg.model.path)
-        on_experts = cfg.lora.enabled and bool(lora_targets_for(cfg.lora, model_type(cfg.model.path))[1])
+        moe_on_cpu = self.ctx.device == "cpu" and self.profile.moe
+        on_experts = cfg.lora.enabled and bool(lora_targets_for(cfg.lora, self.profile.model_type)[1])
         self._serves_adapters = cfg.lora.enabled and name == "vllm" and not (moe_on_cpu or on_experts)
         if self._serves_adapters:
             kwargs["lora_rank"] = cfg.lora.rank

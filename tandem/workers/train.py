@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from tandem.config import Config
-from tandem.modeling import is_vision_model, load_processor, load_tokenizer
+from tandem.architectures import profile
+from tandem.modeling import load_processor, load_tokenizer
 from tandem.rollout import Samples
 from tandem.sync.convert import ToCheckpoint
 from tandem.sync.frozen import SentOnce, engine_keeps_weights
@@ -46,10 +47,11 @@ class TrainWorker:
     def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
         self.cfg, self.ctx = cfg, ctx or WorkerContext()
         m, tp = cfg.model, cfg.placement.tensor_parallel
+        self.profile = profile(m.path)  # once per worker process: workers are built from the config alone
         self.tokenizer = load_tokenizer(m.path, m.trust_remote_code)
         # what a checkpoint holds beside the weights: a vision-language model's processor (its image processor and
         # tokenizer), else the tokenizer
-        self.processor = load_processor(m.path, m.trust_remote_code) if is_vision_model(m.path) else self.tokenizer
+        self.processor = load_processor(m.path, m.trust_remote_code) if self.profile.images else self.tokenizer
         self.pad_id = self.tokenizer.pad_token_id
         self.mesh = None
         self.dp_rank, self.dp_size = 0, 1
@@ -67,7 +69,7 @@ class TrainWorker:
                              old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed,
                              expert_parallel=cfg.placement.expert_parallel,
                              teacher_on_workers=cfg.placement.teacher_workers > 0,
-                             freeze_vision=cfg.model.freeze_vision)
+                             freeze_vision=cfg.model.freeze_vision, model_profile=self.profile)
         # What the engines load: vLLM (in process or a server) takes the checkpoint's tensors by the checkpoint's
         # names (an MoE's experts one by one, cut from the trainer's fused ones); the hf engine is the trainer's own
         # transformers class and takes its names as they are.

@@ -159,7 +159,7 @@ def test_router_replay_on_a_dense_model_is_refused_before_models_load(tiny_model
     """The config cannot know the architecture; the model folder's config.json can (tandem.architectures), and is
     read before any model loads. A mixture of experts tandem knows the routers of takes it."""
     from tandem import trainer
-    from tandem.architectures import check_supported
+    from tandem.run.preflight import check_supported
     from tandem.cli import main
 
     monkeypatch.setattr(trainer.placement, "build", lambda cfg: pytest.fail("models loaded before the refusal"))

@@ -16,8 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the zoo's builde
 from conftest import free_port  # noqa: E402
 import zoo_models  # noqa: E402
 
-from tandem.architectures import SUPPORT, check_supported, support_table  # noqa: E402
+from tandem.architectures import SUPPORT, profile, support_table  # noqa: E402
 from tandem.config import ConfigError, load_config  # noqa: E402
+from tandem.run.preflight import check_supported  # noqa: E402
 
 # fp32 on CPU: the hf engine shares the trainer's kernels (measured 1e-8..2e-7), vLLM's differ (measured <= 3e-7
 # per token on these models); a wrong sync or a mis-mapped architecture shows 1e-3 and up.
@@ -89,8 +90,10 @@ def test_lora_on_experts_stored_in_out_is_refused_before_any_model_loads(zoo):
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     with pytest.raises(ConfigError, match=r"lora\.target_parameters: .*mlp\.experts\.(gate_up|down)_proj.* are stored "
                                           r"\[experts, in, out\], which tandem does not merge"):
-        lora.check(LoraConfig(enabled=True, target_modules=["q_proj"], target_parameters=experts), str(zoo["gpt_oss"]))
-    lora.check(LoraConfig(enabled=True, target_modules=["q_proj"], target_parameters=experts), str(zoo["qwen3_moe"]))
+        lora.check(LoraConfig(enabled=True, target_modules=["q_proj"], target_parameters=experts),
+                   profile(zoo["gpt_oss"]))
+    lora.check(LoraConfig(enabled=True, target_modules=["q_proj"], target_parameters=experts),
+               profile(zoo["qwen3_moe"]))
     assert "[experts, in, out]" in SUPPORT["gpt_oss"].no_expert_lora and not SUPPORT["gpt_oss"].lora_parameters
 
 
@@ -98,7 +101,7 @@ def _lora_steps(model: Path, tmp_path: Path, engine: str) -> None:
     from tandem.config import LoraConfig
     from tandem.train import lora
 
-    lora.check(LoraConfig(enabled=True), str(model))
+    lora.check(LoraConfig(enabled=True), profile(model))
     from tandem.trainer import train
 
     out = tmp_path / "run"

@@ -37,7 +37,7 @@ def prompt_cache(request, monkeypatch):
     from tandem.rollout import hf
 
     if request.param == "prompt per row":
-        monkeypatch.setattr(hf, "shares", lambda model, n: False)
+        monkeypatch.setattr(hf, "shares", lambda profile, model, n: False)
     return request.param
 
 
@@ -201,7 +201,7 @@ def test_a_prompt_held_once_samples_as_the_hf_forward(tiny_model, prompts, monke
     assert len(built) == 1  # the path under test ran
     engine.generate(prompts, dataclasses.replace(s, n=1))
     assert len(built) == 1  # one row per prompt: nothing to share, the HF forward
-    monkeypatch.setattr(hf, "shares", lambda model, n: False)
+    monkeypatch.setattr(hf, "shares", lambda profile, model, n: False)
     per_row = engine.generate(prompts, s)
     assert [c.completion_ids for c in shared] == [c.completion_ids for c in per_row]
     for a, b in zip(shared, per_row):

@@ -99,7 +99,7 @@ def test_a_judges_settings_are_checked_before_any_model_loads(tiny_model, tmp_pa
     """A judge needs its path, and a folder holding a causal LM; its fields on another reward are refused."""
     from tandem import modeling
     from tandem.modeling import ModelFolderError
-    from tandem.trainer import _check_before_loading
+    from tandem.run.preflight import check_before_loading
 
     base = [f"model.path={tiny_model}"]
     with pytest.raises(ConfigError, match=r"rewards\[0\]\.path: empty, but name: judge"):
@@ -109,7 +109,7 @@ def test_a_judges_settings_are_checked_before_any_model_loads(tiny_model, tmp_pa
     monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
     cfg = load_config(None, base, [f"rewards=[{{name: judge, path: {tmp_path}}}]"])
     with pytest.raises(ModelFolderError, match=r"rewards\[0\]\.path \(a judge\): .* has no config.json"):
-        _check_before_loading(cfg)
+        check_before_loading(cfg)
 
 
 def test_the_demo_builds_the_judge_a_preset_names(monkeypatch):

@@ -68,7 +68,7 @@ def test_a_vision_run_with_vllm_in_process_keeps_engine_and_trainer_equal(vlm, t
     sent with the first sync only."""
     from tandem.config import load_config
     from tandem.modeling import load_causal_lm
-    from tandem.train.policy import vision_side
+    from train.test_vision_freeze import vision_side
     from tandem.trainer import train
     from train.test_vision_freeze import RUN
 
@@ -97,6 +97,7 @@ def test_vllm_resizes_images_within_the_pixel_limits_as_the_trainers_processor(v
     from tandem.data.sources import Prompt
     from tandem.rollout.vllm.engine import VLLMEngine
     from tandem.trainer import _vision
+    from tandem.architectures import profile
     from tandem.workers.rollout import engine_args
     from train.test_vision_freeze import picture_row, tiling_copy
 
@@ -104,10 +105,11 @@ def test_vllm_resizes_images_within_the_pixel_limits_as_the_trainers_processor(v
     cfg = load_config(None, [f"model.path={model}", "data.task=colors", "data.max_pixels=4096", "rollout.engine=vllm",
                              "data.max_prompt_tokens=96", "rollout.max_new_tokens=4", "rollout.vllm.max_model_len=128",
                              "rollout.vllm.kv_cache_mb=32", "rollout.vllm.enable_sleep=false"])
-    _, kwargs = engine_args(cfg)
+    _, kwargs = engine_args(cfg, profile(model))
     assert kwargs["mm_processor_kwargs"] == {"size": {"longest_edge": 64}}
     row, greedy = picture_row(), Sampling(n=1, temperature=0.0, max_new_tokens=2)
-    bounded, grown = _vision(cfg), VisionPrompts(load_processor(model), chat_template=False, system_prompt="")
+    bounded = _vision(cfg, profile(model))
+    grown = VisionPrompts(load_processor(model), chat_template=False, system_prompt="")
     prompts = [Prompt(v.ids(row), row) for v in (bounded, grown)]
     assert len(prompts[0].ids) < len(prompts[1].ids)
     with VLLMEngine(**kwargs) as engine:
@@ -125,13 +127,14 @@ def test_vllm_serves_a_lora_adapter_on_the_language_model_as_hf_samples_it_merge
     from tandem.modeling import load_causal_lm
     from tandem.rollout.hf import HFEngine
     from tandem.rollout.vllm.engine import VLLMEngine
+    from tandem.architectures import profile
     from tandem.train import lora
 
     vision = VisionPrompts(load_processor(vlm), chat_template=False, system_prompt="")
     prompts = _prompts(vision)
     images, ids = [vision.images(p) for p in prompts], [p.ids for p in prompts]
     model = load_causal_lm(vlm)
-    lora.wrap(model, LoraConfig(enabled=True), str(vlm), seed=0)
+    lora.wrap(model, LoraConfig(enabled=True), profile(vlm), seed=0)
     torch.manual_seed(1)
     for layer in lora.adapted(model).values():  # B starts at zero: an adapter that changes the model
         layer.lora_B[lora.ADAPTER].weight.data.normal_(0, 0.5)

@@ -110,14 +110,14 @@ def test_a_teacher_that_cannot_serve_is_refused_before_any_model_loads(tiny_mode
     from tandem import modeling
     from tandem.config import load_config
     from tandem.modeling import ModelFolderError
-    from tandem.trainer import _check_before_loading
+    from tandem.run.preflight import check_before_loading
 
     monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
     other = build_model(tmp_path / "other", tied=True)  # tests/tiny_qwen.py's own BPE tokenizer, 384 tokens
     for teacher, says in ((other, "has another tokenizer than model.path"), (tmp_path / "none", "is not a folder")):
         cfg = load_config(None, [f"model.path={tiny_model}", f"algo.distill.teacher={teacher}"])
         with pytest.raises(ModelFolderError, match=f"algo.distill.teacher: .*{says}"):
-            _check_before_loading(cfg)
+            check_before_loading(cfg)
 
 
 def test_teacher_workers_score_as_the_trainer_does_and_the_policy_trains_on_what_they_send(tiny_model, teacher):

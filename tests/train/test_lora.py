@@ -225,6 +225,7 @@ def test_a_sampler_merges_the_experts_as_the_trainer_does_under_either_engine_s_
     tensors is, bit for bit, what the trainer's merged weights give an engine: by the trainer's stacked names (the
     hf engine) and cut into the checkpoint's per-expert names (vLLM). An adapter missing an expert tensor, or with
     one mis-shaped, is refused naming it."""
+    from tandem.architectures import profile
     from tandem.config import LoraConfig as Lora
     from tandem.modeling import load_causal_lm
     from tandem.rollout.adapter import A_SUFFIX
@@ -233,7 +234,7 @@ def test_a_sampler_merges_the_experts_as_the_trainer_does_under_either_engine_s_
     from tandem.workers.rollout import merged_adapter
 
     model = load_causal_lm(moe_model)
-    wrap(model, Lora(enabled=True, rank=4, alpha=8), str(moe_model), seed=0)
+    wrap(model, Lora(enabled=True, rank=4, alpha=8), profile(moe_model), seed=0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zoo_models  # noqa: E402
 
 from tandem import moe  # noqa: E402
+from tandem.architectures import profile  # noqa: E402
 from tandem.config import AlgoConfig, OptimConfig  # noqa: E402
 from tandem.rollout.base import Sampling, Samples  # noqa: E402
 from tandem.rollout.hf import HFEngine  # noqa: E402
@@ -39,7 +40,7 @@ def _sample(path: Path, perturb: float = 0.0) -> Samples:
     if perturb:
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
-            for router in moe.routers(engine.model):
+            for router in moe.routers(engine.model, dict(engine.profile.routers)):
                 router.weight.add_(perturb * router.weight.std() * torch.randn(router.weight.shape, generator=g))
     return Samples.of_call(engine.generate(PROMPTS, SAMPLING))
 
@@ -60,7 +61,7 @@ def test_engine_routes_are_a_teacher_forced_forwards(model_path):
     (how samples reach a Ray trainer)."""
     samples = pickle.loads(pickle.dumps(_sample(model_path)))
     policy_model = _policy(model_path).model
-    routing = moe.Routing(policy_model)
+    routing = moe.Routing(policy_model, dict(profile(model_path).routers))
     lengths = {len(c.completion_ids) for c in samples.completions}
     for c in samples.completions:
         seq = c.prompt_ids + c.completion_ids

@@ -114,13 +114,14 @@ def test_no_repeated_prompt_means_no_shared_layout():
 def test_only_tested_architectures_share_prompts():
     from transformers import MistralConfig, MistralForCausalLM
 
-    from tandem.train.logprobs import shares_prompts
+    from tandem.architectures import profile_of
 
-    assert shares_prompts(_model("qwen2")) and shares_prompts(_model("llama")) and shares_prompts(_model("qwen3_5"))
+    assert profile_of(_model("qwen2")).prompts_once == profile_of(_model("llama")).prompts_once == "kv"
+    assert profile_of(_model("qwen3_5")).prompts_once == "state"
     mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                                                sliding_window=8))
-    assert not shares_prompts(mistral)
+    assert not profile_of(mistral).prompts_once
 
 
 def test_packing_by_prompt_keeps_groups_whole():

@@ -86,19 +86,19 @@ def test_a_vision_model_is_refused_where_its_images_are_not_carried_yet(vlm, mon
     setting; the hf engine in one process and on Ray workers passes."""
     from tandem import modeling
     from tandem.config import ConfigError, load_config
-    from tandem.trainer import _check_vision
+    from tandem.run.preflight import check_supported
 
     monkeypatch.setattr(modeling, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
     base = [f"model.path={vlm}", "data.task=colors"]
-    _check_vision(load_config(None, base))
-    _check_vision(load_config(None, base + ["placement.backend=ray", "placement.workers=2"]))
-    _check_vision(load_config(None, base + ["rollout.engine=vllm", "rollout.vllm.mode=server"]))
+    check_supported(load_config(None, base))
+    check_supported(load_config(None, base + ["placement.backend=ray", "placement.workers=2"]))
+    check_supported(load_config(None, base + ["rollout.engine=vllm", "rollout.vllm.mode=server"]))
     for extra, says in ((["placement.backend=ray", "placement.mode=split", "placement.schedule=stream"],
                          "placement.schedule: stream"),
                         (["placement.backend=ray", "placement.workers=2", "placement.tensor_parallel=2"],
                          "placement.tensor_parallel: 2")):
         with pytest.raises(ConfigError, match=f"vision-language model.*{says}"):
-            _check_vision(load_config(None, base + extra))
+            check_supported(load_config(None, base + extra))
 
 
 def test_a_run_on_a_vision_model_trains_evaluates_and_saves_its_processor(vlm, tmp_path):

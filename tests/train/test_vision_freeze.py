@@ -20,7 +20,15 @@ from tandem.modeling import load_causal_lm, load_processor
 from tandem.run.vision import VisionPrompts
 from tandem.train.batch import make_micro_batches
 from tandem.train.lora import adapted
-from tandem.train.policy import Policy, vision_side
+from tandem.train.policy import Policy
+
+
+def vision_side(model) -> dict:
+    """The parameters outside the language model (transformers' `get_decoder`) and the head, by name: what the
+    profile's tower and connector paths (`ModelProfile.vision_side`) must name, found another way."""
+    language = {id(p) for p in model.get_decoder().parameters()}
+    language |= {id(p) for p in model.get_output_embeddings().parameters()}
+    return {n: p for n, p in model.named_parameters() if id(p) not in language}
 
 IDEFICS3 = {"image_processor_type": "Idefics3ImageProcessor", "size": {"longest_edge": 1456},
             "max_image_size": {"longest_edge": 364}, "do_image_splitting": True}  # SmolVLM's checkpoints' own
@@ -171,11 +179,12 @@ def test_the_pixel_limits_bound_the_image_processors_own_resize():
 def test_the_trainers_processor_resizes_within_data_max_pixels(vlm, tmp_path):
     """The run's prompt renderer calls the processor with the bounds: a 64 x 48 picture the tiling processor would
     grow to four tiles stays one image under data.max_pixels 64 x 64 (fewer tokens, fewer pixel values)."""
+    from tandem.architectures import profile
     from tandem.trainer import _vision
 
     model = tiling_copy(vlm, tmp_path / "tiling")
     row = picture_row()
-    own, bounded = (_vision(load_config(None, [f"model.path={model}", "data.task=colors", *extra]))
+    own, bounded = (_vision(load_config(None, [f"model.path={model}", "data.task=colors", *extra]), profile(model))
                     for extra in ([], ["data.max_pixels=4096"]))
     assert own.resize == {} and bounded.resize == {"size": {"longest_edge": 64}}
     assert len(bounded.ids(row)) < len(own.ids(row))

