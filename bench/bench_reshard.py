@@ -11,8 +11,8 @@ processes share a host: the default) and over gloo p2p alone (`p2p`, the path be
 (all_gather every parameter's local shards onto every rank, then slice) in time and bytes; and a disk round trip (rank 0
 saves the full model with safetensors, every rank loads it and slices; the full model is assumed already on rank 0, and
 the page cache is warm, both in the disk path's favour), and the round trip an engine reloading from disk pays,
-`save_pretrained` on rank 0 then `from_pretrained` on every rank (`hf/time`). Times are the slowest rank's, median of --repeats after one warm-up
-(the hf round trip's too). Every result is checked bit for bit.
+`save_pretrained` on rank 0 then `from_pretrained` on every rank (`hf/time`). Times are the slowest rank's, median of
+--repeats after one warm-up (the hf round trip's too). Every result is checked bit for bit.
 """
 from __future__ import annotations
 
