@@ -221,7 +221,7 @@ def unstreamable_layers(config: dict) -> str:
 
 
 def _check_stream(cfg, kind: str, known: Support | None) -> None:
-    """What the hf engine's streaming decoder (tandem.rollout.stream) runs: every architecture of the zoo whose
+    """What the hf engine's streaming decoder (tandem.rollout.hf.stream) runs: every architecture of the zoo whose
     layers all attend to every position through a KV cache (tests/rollout/test_stream.py carries a request across a
     weight update in each); a sliding window's cache keeps only its last positions, and a linear-attention layer
     keeps a state, neither of which the decoder's padded rows can follow. vLLM streams whatever it runs (its own

@@ -16,7 +16,7 @@ from tandem.config import Config
 from tandem.rollout import Completion, Sampling
 from tandem.rollout.hf import HFEngine
 from tandem.rollout.multiturn import Conversation, TurnLimits, Turns
-from tandem.rollout.stream import Finished, HFStream, Request
+from tandem.rollout.hf.stream import Finished, HFStream, Request
 from tandem.rollout.vllm.server import VLLMServerEngine
 from tandem.rollout.vllm.stream import ServerStream, VLLMStream
 

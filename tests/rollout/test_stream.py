@@ -12,7 +12,7 @@ import zoo_models
 from tandem.modeling import load_tokenizer
 from tandem.rollout import Sampling
 from tandem.rollout.hf import HFEngine
-from tandem.rollout.stream import HFStream, Request, SlotDecoder
+from tandem.rollout.hf.stream import HFStream, Request, SlotDecoder
 
 TEMPERATURE = 0.8
 

@@ -266,7 +266,7 @@ def test_tied_embedding_update(engine, hf, base, name):
 def _stream_across_an_update(engine, hf, base, carry: bool) -> list:
     """Three requests on a vLLM stream of two slots; after 4 steps new weights land (`carry`: the stream told, as
     StreamSampler does, so its requests are resubmitted from their prefixes); the finished requests."""
-    from tandem.rollout.stream import Request
+    from tandem.rollout.hf.stream import Request
     from tandem.rollout.vllm.stream import VLLMStream
 
     stream = VLLMStream(engine, Sampling(n=1, temperature=0.8, max_new_tokens=12, ignore_eos=True), slots=2)
@@ -297,7 +297,7 @@ def test_a_stream_carries_its_requests_across_a_weight_update_exactly(engine, hf
         fresh = hf_logprobs(hf, r.prompt_ids, r.tokens, 0.8)
         assert (fresh[after] - torch.tensor(r.logprobs)[after]).abs().max() < 1e-5, r.key
     # and the stream goes on after an evaluation's generate takes the engine between two steps
-    from tandem.rollout.stream import Request
+    from tandem.rollout.hf.stream import Request
     from tandem.rollout.vllm.stream import VLLMStream
 
     stream = VLLMStream(engine, Sampling(n=1, temperature=0.8, max_new_tokens=6, ignore_eos=True), slots=2)

@@ -22,9 +22,10 @@ import torch
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest
 from tandem.rollout.vllm.engine import check_expanded
-from tandem.rollout.vllm.sampling import WORKER_EXTENSION, _finish, _requests, _sampling_kwargs, cpu_custom_ops
+from tandem.rollout.vllm.sampling import (WORKER_EXTENSION, checked_finish, cpu_custom_ops, engine_requests,
+                                          sampling_kwargs)
 from tandem.rollout.vllm.weights import Bucket, EngineWeights, SyncStats
-from tandem.rollout.vllm_worker import encode_weights
+from tandem.rollout.vllm.worker import encode_weights
 from tandem.samples import Images
 from tandem.util.pixels import decoded_png
 from tandem.util.net import free_address
@@ -205,7 +206,7 @@ class VLLMServerEngine:
         prompt): such a prompt goes to /inference/v1/generate with ONE placeholder per image and its images' files,
         which the server's processor expands; the ids it reports are checked equal to the prompt's (the processor's
         at load), so a prompt sent expanded already, which would be expanded twice, is refused."""
-        reqs = _requests(prompts, sampling)
+        reqs = engine_requests(prompts, sampling)
 
         def pictured(i: int) -> Images | None:
             return None if images is None else images[i]
@@ -264,7 +265,7 @@ class VLLMServerEngine:
         (`Images.engine_ids`) and each image as the pixels tandem decoded, a data: URL of their PNG (`data_url`),
         sampled as `completion_body`'s, answering with the text, each sampled token's processed logprob and the
         prompt's ids as the server expanded them."""
-        params = dict(_sampling_kwargs(sampling, n, seed), max_tokens=max_tokens, detokenize=True)
+        params = dict(sampling_kwargs(sampling, n, seed), max_tokens=max_tokens, detokenize=True)
         return {"model": self.model_name, "token_ids": list(images.engine_ids),
                 "content_parts": [{"type": "image_url", "url": data_url(data)} for data in images.files],
                 "sampling_params": params, "return_token_ids": True, "output_mode": "text"}
@@ -272,7 +273,7 @@ class VLLMServerEngine:
     def completion_body(self, prompt: list, sampling: Sampling, n: int, seed: int | None, max_tokens: int) -> dict:
         """A /v1/completions request of token-id `prompt` (one prompt, or a list of them): `n` samples each, seeded,
         with each sampled token's id and processed logprob returned and the text ending after its stop string."""
-        kw = _sampling_kwargs(sampling, n, seed)
+        kw = sampling_kwargs(sampling, n, seed)
         return {"model": self.model_name, "prompt": prompt, "n": n, "temperature": kw["temperature"],
                 "top_p": kw["top_p"], "top_k": kw["top_k"], "max_tokens": max_tokens, "stop": kw["stop"],
                 "stop_token_ids": kw["stop_token_ids"], "ignore_eos": kw["ignore_eos"], "seed": seed, "logprobs": 0,
@@ -354,7 +355,7 @@ class VLLMServerEngine:
 def _completion(i: int, ids: list[int], toks: list[int], lps: list[float], choice: dict) -> Completion:
     """Prompt `i`'s completion from one choice of either endpoint's answer (its text and how it ended)."""
     return Completion(prompt_ids=ids, completion_ids=toks, logprobs=lps, text=choice["text"],
-                      finish_reason=_finish(choice.get("finish_reason"), f"prompt {i}"), prompt_index=i,
+                      finish_reason=checked_finish(choice.get("finish_reason"), f"prompt {i}"), prompt_index=i,
                       meta={"stop_reason": choice.get("stop_reason")})
 
 

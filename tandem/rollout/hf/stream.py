@@ -10,7 +10,7 @@ import torch
 
 from tandem.architectures import SUPPORT, unstreamable_layers
 from tandem.rollout.base import Sampling
-from tandem.rollout.hf import HFEngine, _draw, uniforms
+from tandem.rollout.hf.engine import HFEngine, draw, uniforms
 
 
 @dataclass
@@ -213,7 +213,7 @@ class HFStream(StreamRequests):
                              f"layer, not this {engine.model.config.model_type!r}; use placement.schedule: async")
         self.engine, self.sampling = engine, sampling
         self.decoder = SlotDecoder(engine.model, slots)
-        self.draws: dict[Hashable, list[float]] = {}  # each running request's uniforms, one per token (`_draw`)
+        self.draws: dict[Hashable, list[float]] = {}  # each running request's uniforms, one per token (`draw`)
         self.logits: torch.Tensor | None = None  # [rows, V]: each running row's next-token logits, in slot order
         stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(engine.eos_ids))
         self.stop_ids = stops
@@ -250,7 +250,7 @@ class HFStream(StreamRequests):
         if self.sampling.temperature > 0:
             u = torch.tensor([self.draws[k][len(self.running[k].tokens)] for k in keys], dtype=torch.float64,
                              device=self.logits.device)
-        tok, lp = _draw(self.logits.float(), self.sampling, u)
+        tok, lp = draw(self.logits.float(), self.sampling, u)
         done: list[Finished] = []
         for key, t, logp in zip(keys, tok.tolist(), lp.tolist()):
             r = self.running[key]

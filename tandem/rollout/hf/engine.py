@@ -12,7 +12,7 @@ from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer, rope_positions
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
-from tandem.rollout.shared_prompt import SharedPromptDecoder, shares
+from tandem.rollout.hf.shared_prompt import SharedPromptDecoder, shares
 from tandem.samples import Images, batch_images
 
 
@@ -32,14 +32,14 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def uniforms(gens: list[torch.Generator], steps: int, rows: int) -> torch.Tensor:
-    """[steps, rows] float64 uniforms in [0, 1) for `_draw`, drawn once for a whole `generate`: generator i gives
+    """[steps, rows] float64 uniforms in [0, 1) for `draw`, drawn once for a whole `generate`: generator i gives
     its equal run of the rows (one generator for the batch, or one per prompt for its n rows), each row's draws
     in step order, so a prompt's samples depend only on its own generator."""
     per = rows // len(gens)
     return torch.cat([torch.rand((steps, per), dtype=torch.float64, generator=g, device=g.device) for g in gens], 1)
 
 
-def _draw(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None, alive: torch.Tensor | None = None,
+def draw(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None, alive: torch.Tensor | None = None,
           pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob (under the temperature, before truncation: what the trainer recomputes).
     Greedy at temperature 0; else the inverse of each row's cumulative distribution at its uniform `u` [rows]
@@ -75,7 +75,7 @@ class HFEngine:
     """Samples with the model's own forward and a KV cache, one decode step for the whole batch at a time.
 
     The prefill runs each distinct prompt once, however many completions it gets (GRPO's group: `Sampling.n`), and
-    its keys and values are held once for the group's rows (`tandem.rollout.shared_prompt`: Qwen2 and Llama on
+    its keys and values are held once for the group's rows (`tandem.rollout.hf.shared_prompt`: Qwen2 and Llama on
     CPU), or copied out to each row for the HF forward. Rows are left-padded so every row's next token sits in the last
     column; a row that has finished keeps feeding padding (its outputs are discarded) and the loop ends when every
     row has finished.
@@ -141,7 +141,7 @@ class HFEngine:
                 gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
                 draws = uniforms(gens, most, B)
             for drawn in range(most):
-                tok, lp = _draw(logits.float(), sampling, None if draws is None else draws[drawn], alive, self.pad_id)
+                tok, lp = draw(logits.float(), sampling, None if draws is None else draws[drawn], alive, self.pad_id)
                 tokens.append(tok)
                 logps.append(lp)
                 lengths += alive
