@@ -325,6 +325,7 @@ def test_streamed_conversations_on_vllm_are_exact_across_a_weight_update(engine,
     from tandem.modeling import load_tokenizer
     from tandem.rollout.tools import ENVIRONMENTS, register_environment
     from tandem.run.source import sampling_for
+    from tandem.samples import ModelPrompt
     from tandem.workers.stream import StreamGroup, StreamSampler
 
     if "vllm-stream-echo" not in ENVIRONMENTS:
@@ -335,8 +336,8 @@ def test_streamed_conversations_on_vllm_are_exact_across_a_weight_update(engine,
                                  "env": {"name": "vllm-stream-echo", "max_turns": 3, "max_tokens": 64},
                                  "placement": {"schedule": "stream"}})
     sampler = StreamSampler(cfg, engine)
-    sampler.add([StreamGroup(0, PROMPTS[0], 2, seed=0, max_new_tokens=5),
-                 StreamGroup(1, PROMPTS[1], 2, seed=2, max_new_tokens=5)], sampling_for(cfg, None))
+    sampler.add([StreamGroup(0, ModelPrompt(PROMPTS[0]), 2, seed=0, max_new_tokens=5),
+                 StreamGroup(1, ModelPrompt(PROMPTS[1]), 2, seed=2, max_new_tokens=5)], sampling_for(cfg, None))
     while not all(c.turns >= 1 for c, _ in sampler.conversations.values()) or sampler.answering:
         sampler.step()
     old = copy.deepcopy(hf)

@@ -6,13 +6,13 @@ import itertools
 import logging
 import os
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest
-from tandem.samples import Images
+from tandem.samples import ModelPrompt, model_prompts
 from tandem.util.pixels import decode
 from tandem.rollout.vllm.process import (ProcessSnapshot, adopted_tp, import_vllm, keeping_default_group,
                                          release_vllm_globals, remove_segments, shared_memory_segments,
@@ -159,32 +159,31 @@ class VLLMEngine:
         if self.asleep:
             raise RuntimeError("VLLMEngine is asleep; call wake() first")
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling,
-                 images: list[Images | None] | None = None) -> list[Completion]:
-        """`images`: a vision-language model's, one per prompt (None: a text prompt). vLLM runs the model's processor
+    def generate(self, prompts: Sequence[ModelPrompt | Sequence[int]], sampling: Sampling) -> list[Completion]:
+        """A vision-language model's prompt brings its images (`ModelPrompt.images`). vLLM runs the model's processor
         itself, so it gets each image's file and the prompt with ONE placeholder per image, which it expands; the
-        ids it expands them into must be the prompt's (`prompts[i]`, the processor's at load): a prompt sent
+        ids it expands them into must be the prompt's (`ModelPrompt.ids`, the processor's at load): a prompt sent
         expanded already would be expanded twice, silently (seen on Qwen2.5-VL, Idefics3, Gemma 3)."""
         from vllm import SamplingParams
 
         self._check_usable()
-        reqs = engine_requests(prompts, sampling)
-        for i, ids, _, _ in reqs:
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        reqs = engine_requests(model_prompts(prompts), sampling)
+        for i, prompt, _, _ in reqs:
+            if len(prompt.ids) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(prompt.ids)} tokens; max_model_len is {self.max_model_len}")
         if not reqs:
             return []
-        inputs = [_prompt(ids, None if images is None else images[i]) for i, ids, _, _ in reqs]
+        inputs = [vllm_input(prompt) for _, prompt, _, _ in reqs]
         extra = engine_only_kwargs(sampling)
         params = [SamplingParams(**dict(sampling_kwargs(sampling, n, seed), max_tokens=sampling.limit(i)), **extra)
                   for i, _, n, seed in reqs]
         with self._engine_context():
             outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
-        for (i, ids, _, _), out in zip(reqs, outputs):
-            if images is not None and images[i] is not None:
-                check_expanded(i, list(out.prompt_token_ids), ids)
-        completions = [c for (i, ids, _, _), out in zip(reqs, outputs)
-                       for c in request_completions(out, i, ids, extra["detokenize"])]
+        for (i, prompt, _, _), out in zip(reqs, outputs):
+            if prompt.images is not None:
+                check_expanded(i, list(out.prompt_token_ids), list(prompt.ids))
+        completions = [c for (i, prompt, _, _), out in zip(reqs, outputs)
+                       for c in request_completions(out, i, prompt, extra["detokenize"])]
         if not extra["detokenize"]:
             texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
             for c, text in zip(completions, texts):
@@ -223,7 +222,7 @@ class VLLMEngine:
                     if not out.finished or out.request_id not in pending:
                         continue
                     key, ids, detokenized = pending.pop(out.request_id)
-                    (done,) = request_completions(out, key, ids, detokenized)
+                    (done,) = request_completions(out, key, ModelPrompt(ids), detokenized)
                     if not detokenized:
                         done.text = self.tokenizer.decode(done.completion_ids, skip_special_tokens=True)
                     after = follow(key, done)
@@ -377,12 +376,13 @@ def check_expanded(i: int, expanded: list[int], ids: list[int]) -> None:
             "processor resizing otherwise than the trainer's)")
 
 
-def _prompt(ids: list[int], images: Images | None) -> Any:
+def vllm_input(prompt: ModelPrompt) -> Any:
     """vLLM's input for one prompt: its ids, or with images the ids with one placeholder per image and the images,
     decoded as the trainer's processor is given them (`decode`), so that vLLM sees the trainer's pixels."""
     from vllm.inputs import TokensPrompt
 
+    images = prompt.images
     if images is None:
-        return TokensPrompt(prompt_token_ids=ids)
+        return TokensPrompt(prompt_token_ids=list(prompt.ids))
     pictures = [decode(data) for data in images.files]
     return TokensPrompt(prompt_token_ids=list(images.engine_ids), multi_modal_data={"image": pictures})

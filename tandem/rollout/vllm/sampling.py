@@ -8,6 +8,7 @@ from typing import Any
 
 from tandem.modeling import read_json
 from tandem.rollout.base import Completion, Sampling
+from tandem.samples import ModelPrompt
 
 WORKER_EXTENSION = "tandem.rollout.vllm.worker.TandemWorkerExtension"
 
@@ -51,29 +52,31 @@ def engine_only_kwargs(sampling: Sampling) -> dict[str, Any]:
     return dict(detokenize=bool(sampling.stop), flat_logprobs=True)
 
 
-def engine_requests(prompts: list[list[int]], sampling: Sampling) -> list[tuple[int, list[int], int, int | None]]:
-    """(prompt index, ids, n, seed) per engine request. vLLM refuses n > 1 when greedy, so greedy repeats prompts."""
+def engine_requests(prompts: list[ModelPrompt], sampling: Sampling) -> list[tuple[int, ModelPrompt, int, int | None]]:
+    """(prompt index, prompt, n, seed) per engine request. vLLM refuses n > 1 when greedy, so greedy repeats
+    prompts."""
     if sampling.n < 1:
         raise ValueError(f"Sampling.n must be >= 1, got {sampling.n}")
     greedy = sampling.temperature == 0
     out = []
-    for i, ids in enumerate(prompts):
-        if not ids:
+    for i, prompt in enumerate(prompts):
+        if not prompt.ids:
             raise ValueError(f"prompt {i} is empty")
         # Distinct per-prompt seeds; vLLM gives the j-th sample of a request seed + j.
         seed = None if sampling.seed is None else int(sampling.seed) + i * sampling.n
         if sampling.seeds:
             seed = int(sampling.seeds[i])
         if greedy:
-            out.extend((i, list(ids), 1, seed) for _ in range(sampling.n))
+            out.extend((i, prompt, 1, seed) for _ in range(sampling.n))
         else:
-            out.append((i, list(ids), sampling.n, seed))
+            out.append((i, prompt, sampling.n, seed))
     return out
 
 
-def request_completions(out: Any, i: int, ids: list[int], detokenized: bool) -> list[Completion]:
-    """The completions of one vLLM request output for prompt `i` (text left empty unless vLLM detokenized)."""
-    completions = []
+def request_completions(out: Any, i: int, prompt: ModelPrompt, detokenized: bool) -> list[Completion]:
+    """The completions of one vLLM request output for prompt `i` (text left empty unless vLLM detokenized), each
+    holding the prompt's images."""
+    ids, completions = list(prompt.ids), []
     for c in sorted(out.outputs, key=lambda c: c.index):
         toks = list(c.token_ids)
         lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(toks)] if toks else []
@@ -81,6 +84,7 @@ def request_completions(out: Any, i: int, ids: list[int], detokenized: bool) -> 
             prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c.text if detokenized else "",
             finish_reason=checked_finish(c.finish_reason, f"prompt {i}"), prompt_index=i,
             meta={"stop_reason": c.stop_reason, "cached_prompt_tokens": out.num_cached_tokens or 0},
+            images=prompt.images,
         ))
     return completions
 
