@@ -263,7 +263,7 @@ class RolloutSource:
             load[k] += 1
             self.started[self.serial] = (prompt, k)
             seed = cfg.run.seed * 1_000_003 + self.serial * G
-            groups[k].append(StreamGroup(self.serial, *self.model_prompts([prompt]), G, seed, self._limit(prompt)))
+            groups[k].append(StreamGroup(self.serial, self.model_prompts([prompt])[0], G, seed, self._limit(prompt)))
             self.serial += 1
         self.workers.stream_add(groups, sampling_for(cfg, None))
 

@@ -47,7 +47,7 @@ def sample_with(cfg: Config, engine) -> Callable[[list[ModelPrompt], Sampling], 
     """How a worker samples with its engine: one generate call, or with `env.name` whole conversations (each turn
     answered by the environment, its tokens masked; `tandem.rollout.multiturn`, which refuses a prompt with images)."""
     if not cfg.env.name:
-        return engine.generate
+        return lambda prompts, sampling: engine.generate(prompts, sampling)
     from tandem.modeling import load_tokenizer
     from tandem.rollout.multiturn import TurnLimits, converse
     from tandem.rollout.tools import make_environment
