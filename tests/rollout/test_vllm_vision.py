@@ -113,10 +113,10 @@ def test_vllm_resizes_images_within_the_pixel_limits_as_the_trainers_processor(v
     prompts = [Prompt(v.ids(row), row) for v in (bounded, grown)]
     assert len(prompts[0].ids) < len(prompts[1].ids)
     with VLLMEngine(**kwargs) as engine:
-        (done,) = engine.generate([prompts[0].ids], greedy, images=[bounded.images(prompts[0])])
+        (done,) = engine.generate([ModelPrompt(prompts[0].ids, bounded.images(prompts[0]))], greedy)
         assert done.prompt_ids == prompts[0].ids
         with pytest.raises(RuntimeError, match="vLLM expanded its image placeholders into"):
-            engine.generate([prompts[1].ids], greedy, images=[grown.images(prompts[1])])
+            engine.generate([ModelPrompt(prompts[1].ids, grown.images(prompts[1]))], greedy)
 
 
 def test_vllm_serves_a_lora_adapter_on_the_language_model_as_hf_samples_it_merged(vlm):
