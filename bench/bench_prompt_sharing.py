@@ -1,5 +1,5 @@
 """The hf engine's two ways to hold a group's prompt in decode: the HF forward on a cache copied out to every row, or
-the prompt held once (tandem.rollout.shared_prompt: split attention).
+the prompt held once (tandem.rollout.hf.shared_prompt: split attention).
 
     .venv/bin/python bench/bench_prompt_sharing.py [--threads 1] [--repeats 3]
 
@@ -27,7 +27,7 @@ import bench_trl  # noqa: E402
 
 from tandem.rollout import Sampling, hf  # noqa: E402
 from tandem.rollout.hf import HFEngine  # noqa: E402
-from tandem.rollout.shared_prompt import shares  # noqa: E402
+from tandem.rollout.hf.shared_prompt import shares  # noqa: E402
 
 # (model, prompts, completions per prompt, prompt tokens, new tokens)
 CASES = [("small", 4, 4, 6, 32), ("small", 4, 4, 32, 32), ("small", 4, 4, 64, 32), ("small", 2, 8, 6, 32),

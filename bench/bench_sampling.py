@@ -1,4 +1,4 @@
-"""One sampling draw of the hf engine (`tandem.rollout.hf._draw`) against the exponential race it replaced.
+"""One sampling draw of the hf engine (`tandem.rollout.hf.draw`) against the exponential race it replaced.
 
     .venv/bin/python bench/bench_sampling.py [--threads 1] [--repeats 20]
 
@@ -52,7 +52,7 @@ def main() -> None:
     import torch
 
     from tandem.rollout.base import Sampling
-    from tandem.rollout.hf import _draw, uniforms
+    from tandem.rollout.hf import draw, uniforms
 
     torch.set_num_threads(args.threads)
     a, b = torch.randn(2048, 896), torch.randn(896, 2048)
@@ -70,7 +70,7 @@ def main() -> None:
             gen = torch.Generator().manual_seed(1)
             u = uniforms([gen], 1, rows)[0]
             race = timed(functools.partial(exponential_race, logits, gen), args.repeats)
-            ops = timed(functools.partial(_draw, logits, sampling, u), args.repeats)
+            ops = timed(functools.partial(draw, logits, sampling, u), args.repeats)
             x, w = torch.randn(rows, 896), torch.randn(vocab, 896)
             head_ms = timed(functools.partial(torch.nn.functional.linear, x, w), args.repeats)
             print(f"{vocab:7d} {rows:5d} {1e3 * race:20.3f} {1e3 * ops:20.3f} {ops / race:6.3f} {1e3 * head_ms:11.3f}")

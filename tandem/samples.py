@@ -1,8 +1,10 @@
-"""What sampling hands to training: each sampled answer (`Completion`) and a step's answers with the group (prompt)
-each belongs to (`Samples`). Engines make them, trainers read them, so neither package owns them."""
+"""What sampling is given and hands to training: a prompt with its images (`ModelPrompt`), each sampled answer
+(`Completion`) and a step's answers with the group (prompt) each belongs to (`Samples`). Engines take and make them,
+trainers read them, so neither package owns them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -23,6 +25,27 @@ class Images:
     # equal to the processor's)
     files: tuple[bytes, ...] = ()
     engine_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelPrompt:
+    """A prompt as its model samples from it: its token ids (a vision-language model's with the image tokens
+    expanded, as the trainer's processor expands them) and its images (None: a text prompt). Every engine, sampler
+    and placement takes prompts as these, so the images travel inside the prompt they belong to; each completion
+    sampled from one holds its `images` (`Completion.images`). Not the dataset's row (`tandem.data.sources.Prompt`,
+    ids and row), which the controller turns into one (`tandem.run.source`)."""
+
+    ids: tuple[int, ...]
+    images: Images | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", tuple(self.ids))  # immutable, whatever sequence it was given
+
+
+def model_prompts(prompts: Sequence[ModelPrompt | Sequence[int]]) -> list[ModelPrompt]:
+    """Prompts as engines take them: each a `ModelPrompt`, or a text prompt's ids alone (what callers without images,
+    a judge or a benchmark, pass)."""
+    return [p if isinstance(p, ModelPrompt) else ModelPrompt(tuple(p)) for p in prompts]
 
 
 def batch_images(images: list[Images]) -> dict[str, torch.Tensor]:
@@ -68,7 +91,8 @@ class Completion:
     # Distillation on teacher workers of its own (placement.teacher_workers): the teacher's logprob of each completion
     # token, scored between sampling and training. None: not scored there (the trainers score it, or no teacher).
     teacher_logprobs: list[float] | None = None
-    # A vision-language model's prompt images (the group's one `Images`); None: a text prompt.
+    # A vision-language model's prompt images: those of the `ModelPrompt` it was sampled from (so every row of a group
+    # holds one object); None: a text prompt.
     images: Images | None = None
 
     @property

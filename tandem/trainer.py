@@ -264,7 +264,7 @@ def run_eval(run: Run) -> dict[str, float]:
     figures as logged (`eval/...`); the whole evaluation is kept as `run.last_eval`."""
     cfg = run.cfg
     def generate(prompts: list[Prompt], sampling) -> Samples:
-        return run.workers.generate([p.ids for p in prompts], sampling, run.source.images(prompts)).samples
+        return run.workers.generate(run.source.model_prompts(prompts), sampling).samples
 
     run.last_eval = evaluate(generate, run.eval_prompts,
                              run.scorer, run.correct_reward, sampling_for(cfg, cfg.run.seed), k=cfg.eval.k,

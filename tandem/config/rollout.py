@@ -16,7 +16,7 @@ class VLLMConfig(Section):
     )
     base_url: str = Field(
         "", description="Attach to a running server (loopback only; started with VLLM_SERVER_DEV_MODE=1 and "
-        "--worker-extension-cls tandem.rollout.vllm_worker.TandemWorkerExtension); empty = start one.",
+        "--worker-extension-cls tandem.rollout.vllm.worker.TandemWorkerExtension); empty = start one.",
     )
     python: str = Field(
         "", description="Interpreter that has vLLM, for the server (e.g. .venv-vllm/bin/python); empty = this one.",

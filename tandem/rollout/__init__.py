@@ -1,5 +1,5 @@
 """Generation engines behind one protocol: `hf` (embedded) and `vllm`."""
-from tandem.rollout.base import Completion, Rollout, RolloutEngine, Samples, Sampling  # noqa: F401
+from tandem.rollout.base import Completion, ModelPrompt, Rollout, RolloutEngine, Samples, Sampling  # noqa: F401
 
 
 def make_engine(name: str, **kwargs) -> RolloutEngine:

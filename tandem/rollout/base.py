@@ -1,14 +1,15 @@
-"""The rollout contract: what an engine is asked (Sampling), its protocol (it returns `tandem.samples.Completion`s),
-and the one batch type that carries a step's `Samples` from the samplers to training (Rollout)."""
+"""The rollout contract: what an engine is asked (`tandem.samples.ModelPrompt`s, sampled as `Sampling` says), its
+protocol (it returns `tandem.samples.Completion`s), and the one batch type that carries a step's `Samples` from the
+samplers to training (Rollout)."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from tandem.samples import Completion, Samples
+from tandem.samples import Completion, ModelPrompt, Samples
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,10 @@ class Rollout:
 class RolloutEngine(Protocol):
     """A generation engine. `hf` (embedded) and `vllm` implement it; the trainer knows nothing else."""
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
-        """Sample `sampling.n` completions for each prompt; results are grouped by prompt, in prompt order. An
-        engine that runs vision-language models also takes `images=`, one `tandem.samples.Images` (or None) per
-        prompt: the `hf` engine so far."""
+    def generate(self, prompts: Sequence[ModelPrompt | Sequence[int]], sampling: Sampling) -> list[Completion]:
+        """Sample `sampling.n` completions for each prompt; results are grouped by prompt, in prompt order. A prompt
+        is a `ModelPrompt` (a vision-language model's with its images, which each of its completions then holds) or
+        a text prompt's ids alone (`tandem.samples.model_prompts`)."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

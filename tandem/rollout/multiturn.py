@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from tandem.rollout.base import Completion, Sampling
+from tandem.samples import ModelPrompt, model_prompts
 
 # Seeds of a conversation's turns are spaced this far apart, so that turn t of one conversation never reuses the seed
 # of another conversation's turn.
@@ -65,11 +66,16 @@ class Turns:
         self._spare = make_env()  # the first conversation's, made now for its stop strings
         self.stop = tuple(dict.fromkeys(tuple(sampling.stop) + tuple(getattr(self._spare, "stop", ()))))
 
-    def begin(self, prompt_index: int, prompt: list[int], seed: int) -> Conversation:
-        """A new conversation on a fresh environment, its opening (if any) appended."""
+    def begin(self, prompt_index: int, prompt: ModelPrompt, seed: int) -> Conversation:
+        """A new conversation on a fresh environment, its opening (if any) appended. A prompt with images is refused:
+        its turns would be sampled without them (a run's config is refused for it before any model loads)."""
+        if prompt.images is not None:
+            raise ValueError(f"prompt {prompt_index} holds images ({', '.join(prompt.images.names)}), which a "
+                             "multi-turn conversation (env.name) does not carry: its turns would be sampled without "
+                             "them. Train a vision-language model without env.name")
         env, self._spare = self._spare or self.make_env(), None
-        conv = Conversation(prompt_index, list(prompt), seed, env)
-        opening = env.reset(self.tokenizer.decode(prompt))
+        conv = Conversation(prompt_index, list(prompt.ids), seed, env)
+        opening = env.reset(self.tokenizer.decode(conv.prompt))
         if opening:
             conv.append(_encode(self.tokenizer, opening), None)
         return conv
@@ -89,8 +95,8 @@ class Turns:
         return _completion(c, self.tokenizer)
 
 
-def converse(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, make_env: Callable[[], object],
-             limits: TurnLimits) -> list[Completion]:
+def converse(engine, tokenizer, prompts: Sequence[ModelPrompt | Sequence[int]], sampling: Sampling,
+             make_env: Callable[[], object], limits: TurnLimits) -> list[Completion]:
     """`sampling.n` conversations per prompt, grouped by prompt as `generate` returns them. Each turn continues from
     the exact ids so far: earlier turns are never re-tokenized. An engine with `generate_continuous` (vLLM) runs all
     conversations as one continuous batch, each next turn queued as its last one ends; any other gets every turn of
@@ -102,7 +108,7 @@ def converse(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, ma
     """
     turns = Turns(tokenizer, sampling, make_env, limits)
     convs: list[Conversation] = []
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(model_prompts(prompts)):
         first = sampling.seeds[i] if sampling.seeds else (sampling.seed or 0) + i * sampling.n
         convs += [turns.begin(i, prompt, first + k) for k in range(sampling.n)]
 

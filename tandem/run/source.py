@@ -16,7 +16,7 @@ from tandem.data.sources import Prompt, PromptStream
 from tandem.run.vision import VisionPrompts
 from tandem.rewards import RewardScorer
 from tandem.rewards.base import FLOAT32_MAX, REWARD_FAILURES, finite_score, overflows
-from tandem.rollout import Rollout, Samples, Sampling
+from tandem.rollout import ModelPrompt, Rollout, Samples, Sampling
 from tandem.rollout.multiturn import conversation_stats
 from tandem.workers.group import Pending
 from tandem.workers.placement import Placement
@@ -123,11 +123,11 @@ class RolloutSource:
         sampling = sampling_for(self.cfg, step_seed(self.cfg, step, rnd))
         if any("max_new_tokens" in p.row for p in prompts):
             sampling = dataclasses.replace(sampling, max_tokens=tuple(self._limit(p) for p in prompts))
-        return prompts, state, self.workers.submit_generate([p.ids for p in prompts], sampling, self.images(prompts))
+        return prompts, state, self.workers.submit_generate(self.model_prompts(prompts), sampling)
 
-    def images(self, prompts: list[Prompt]) -> list | None:
-        """The prompts' images as the model takes them, one per prompt (None: a text-only model's run)."""
-        return None if self.vision is None else [self.vision.images(p) for p in prompts]
+    def model_prompts(self, prompts: list[Prompt]) -> list[ModelPrompt]:
+        """The rows' prompts as the engines sample them: their ids, with a vision-language model's images."""
+        return [ModelPrompt(p.ids, None if self.vision is None else self.vision.images(p)) for p in prompts]
 
     def _limit(self, prompt: Prompt) -> int:
         """A prompt's completion limit: its row's `max_new_tokens`, at most rollout.max_new_tokens."""
@@ -263,7 +263,7 @@ class RolloutSource:
             load[k] += 1
             self.started[self.serial] = (prompt, k)
             seed = cfg.run.seed * 1_000_003 + self.serial * G
-            groups[k].append(StreamGroup(self.serial, prompt.ids, G, seed, self._limit(prompt)))
+            groups[k].append(StreamGroup(self.serial, self.model_prompts([prompt])[0], G, seed, self._limit(prompt)))
             self.serial += 1
         self.workers.stream_add(groups, sampling_for(cfg, None))
 

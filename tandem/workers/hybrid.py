@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from tandem.config import Config
-from tandem.rollout import Rollout, Samples, Sampling, make_engine
+from tandem.rollout import ModelPrompt, Rollout, Samples, Sampling, make_engine
 from tandem.rollout.manifest import differing, digest
 from tandem.sync.local import push_weights
 from tandem.train.policy import GROUPS, Policy
@@ -79,13 +79,12 @@ class HybridWorker:
         resident = getattr(self.engine, "resident_bytes", None)
         return int(resident()) if resident else 0
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0,
-                 images: list | None = None) -> Rollout:
+    def generate(self, prompts: list[ModelPrompt], sampling: Sampling, min_version: int = 0) -> Rollout:
         if self.version < min_version:  # calls run in submission order: the sync asked for came first
             raise RuntimeError(f"generate asked for policy version {min_version}; this engine holds {self.version}")
         self._enter("generate")
         start = time.perf_counter()
-        comps = self.sample(prompts, sampling, images)
+        comps = self.sample(prompts, sampling)
         end = self.trainer.finished()  # the trainer's idle time is what follows: scoring, shipping
         # an engine's TP peers sampled the same completions; its first rank reports them
         return Rollout(Samples.of_call(comps if self.engine_rank == 0 else [], len(prompts)), self.version,

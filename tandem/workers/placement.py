@@ -10,8 +10,7 @@ from typing import Protocol
 import torch
 
 from tandem.config import Config, ConfigError
-from tandem.rollout import Rollout, Samples, Sampling
-from tandem.samples import Images
+from tandem.rollout import ModelPrompt, Rollout, Samples, Sampling
 from tandem.workers.balance import balance
 from tandem.workers.group import LocalWorkerGroup, Mapped, Pending, WorkerGroup
 from tandem.workers.hybrid import HybridWorker
@@ -35,8 +34,7 @@ class Trainer(Protocol):
 class Sampler(Protocol):
     """What the placement calls on every worker that samples: `RolloutWorker` (split) and `HybridWorker`."""
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0,
-                 images: list[Images | None] | None = None) -> Rollout: ...
+    def generate(self, prompts: list[ModelPrompt], sampling: Sampling, min_version: int = 0) -> Rollout: ...
 
     def stream_add(self, groups: list[StreamGroup], sampling: Sampling) -> None: ...
 
@@ -54,17 +52,6 @@ def merge_shares(parts: list[Rollout], shares: list[list[int]], num_prompts: int
     return Rollout(Samples([flat[i] for i in order], [rows[i][0] for i in order], num_prompts),
                    min((p.version for p in busy), default=0), max((p.seconds for p in parts), default=0.0),
                    sum(p.idle_seconds for p in parts), max((p.load_seconds for p in parts), default=0.0))
-
-
-def with_images(rollout: Rollout, images: list[Images | None] | None) -> Rollout:
-    """Each completion holding its prompt's images (group = the prompt's index in the call): the controller's own
-    objects, so a group's rows share one, and nothing came back from the samplers twice."""
-    if images is None:
-        return rollout
-    samples = rollout.samples
-    groups = samples.group.tolist()
-    completions = [dataclasses.replace(c, images=images[g]) for c, g in zip(samples.completions, groups)]
-    return dataclasses.replace(rollout, samples=Samples(completions, samples.group, samples.num_groups))
 
 
 def _seeded(sampling: Sampling, share: list[int], shares: int) -> Sampling:
@@ -110,24 +97,21 @@ class Placement:
     reward_hosts: dict[int, WorkerGroup] = field(default_factory=dict)  # placement.reward_workers: rewards[i]'s
     teachers: WorkerGroup | None = None  # placement.teacher_workers: the distillation teacher's
 
-    def submit_generate(self, prompts: list[list[int]], sampling: Sampling,
-                        images: list[Images | None] | None = None) -> Pending[Rollout]:
+    def submit_generate(self, prompts: list[ModelPrompt], sampling: Sampling) -> Pending[Rollout]:
         """Spread prompts over the samplers so they finish together: balanced by expected tokens, not count.
-        The samplers use the newest weights sent so far, waiting for them if they are still on their way.
-        `images`: a vision-language model's, one per prompt; each completion comes back holding its prompt's."""
+        The samplers use the newest weights sent so far, waiting for them if they are still on their way. A
+        vision-language model's prompts travel with their images; each completion comes back holding its prompt's."""
         expect = self.expected_completion_tokens or sampling.max_new_tokens
-        costs = [sampling.n * (len(p) + expect) for p in prompts]
+        costs = [sampling.n * (len(p.ids) + expect) for p in prompts]
         engines = self.samplers.size // self.engine_tp
         # an engine over engine_tp workers takes one share, the same on each of them
         shares = [s for s in balance(costs, engines) for _ in range(self.engine_tp)]
-        per_worker = [([prompts[i] for i in s], _seeded(sampling, s, engines), self.version,
-                       None if images is None else [images[i] for i in s]) for s in shares]
+        per_worker = [([prompts[i] for i in s], _seeded(sampling, s, engines), self.version) for s in shares]
         pending = self.samplers.submit_each(Sampler.generate, per_worker)
-        return Mapped(pending, lambda parts: with_images(merge_shares(parts, shares, len(prompts)), images))
+        return Mapped(pending, lambda parts: merge_shares(parts, shares, len(prompts)))
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling,
-                 images: list[Images | None] | None = None) -> Rollout:
-        return self.submit_generate(prompts, sampling, images).get()
+    def generate(self, prompts: list[ModelPrompt], sampling: Sampling) -> Rollout:
+        return self.submit_generate(prompts, sampling).get()
 
     def stream_add(self, groups: list[list[StreamGroup]], sampling: Sampling) -> None:
         """placement.schedule: stream: more groups for each sampler (`groups[k]` for sampler k) to sample."""

@@ -16,7 +16,7 @@ from tandem.architectures import ModelProfile, lora_targets_for, profile
 from tandem.config import Config
 from tandem.data.images import image_resize
 from tandem.modeling import load_processor, weightless_model
-from tandem.rollout import Completion, Rollout, Samples, Sampling, make_engine
+from tandem.rollout import Completion, ModelPrompt, Rollout, Samples, Sampling, make_engine
 from tandem.sync.convert import ToCheckpoint
 from tandem.workers.group import WorkerContext
 from tandem.workers.stream import StreamGroup, StreamReport, StreamSampler
@@ -44,15 +44,11 @@ def engine_args(cfg: Config, model_profile: ModelProfile, device: str = "cpu") -
                         max_num_batched_tokens=v.max_num_batched_tokens or None)
 
 
-def sample_with(cfg: Config, engine) -> Callable[..., list[Completion]]:
+def sample_with(cfg: Config, engine) -> Callable[[list[ModelPrompt], Sampling], list[Completion]]:
     """How a worker samples with its engine: one generate call, or with `env.name` whole conversations (each turn
-    answered by the environment, its tokens masked; `tandem.rollout.multiturn`)."""
+    answered by the environment, its tokens masked; `tandem.rollout.multiturn`, which refuses a prompt with images)."""
     if not cfg.env.name:
-        def generate(prompts: list[list[int]], sampling: Sampling, images=None) -> list[Completion]:
-            # only an engine for vision-language models takes images (tandem.rollout.base)
-            return engine.generate(prompts, sampling, images=images) if images else engine.generate(prompts, sampling)
-
-        return generate
+        return lambda prompts, sampling: engine.generate(prompts, sampling)
     from tandem.modeling import load_tokenizer
     from tandem.rollout.multiturn import TurnLimits, converse
     from tandem.rollout.tools import make_environment
@@ -60,8 +56,8 @@ def sample_with(cfg: Config, engine) -> Callable[..., list[Completion]]:
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # the trainer's: ids mean the same
     limits = TurnLimits(cfg.env.max_turns, cfg.max_completion_tokens)
     make_env = functools.partial(make_environment, cfg.env.name, **cfg.env.kwargs)
-    # images: refused with env.name before any model loads (tandem.run.preflight)
-    return lambda prompts, sampling, images=None: converse(engine, tokenizer, prompts, sampling, make_env, limits)
+    # a prompt's images: refused with env.name before any model loads (tandem.run.preflight), and by Turns.begin
+    return lambda prompts, sampling: converse(engine, tokenizer, prompts, sampling, make_env, limits)
 
 
 def server_cores(global_rank: int, cores: int) -> str:
@@ -114,8 +110,7 @@ class RolloutWorker:
         self._stream_error: BaseException | None = None
         self._closing = False
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, min_version: int = 0,
-                 images: list | None = None) -> Rollout:
+    def generate(self, prompts: list[ModelPrompt], sampling: Sampling, min_version: int = 0) -> Rollout:
         """Generate with policy version `min_version` or newer: the controller may ask before those weights have
         arrived (their send is already on its way), and the wait counts as idle. Loading staged weights first is
         the only stop-the-world part of asynchronous sampling (`load_seconds`)."""
@@ -131,7 +126,7 @@ class RolloutWorker:
                 self._load(staged)
             loaded = time.perf_counter()
             with self._stream.suspended() if self._stream is not None else contextlib.nullcontext():
-                comps = self.sample(prompts, sampling, images)
+                comps = self.sample(prompts, sampling)
         idle = ready - self._last_end
         self._last_end = time.perf_counter()
         return Rollout(Samples.of_call(comps, len(prompts)), self.version, self._last_end - loaded, idle,

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Hashable, Iterator
 
 from tandem.config import Config
-from tandem.rollout import Completion, Sampling
+from tandem.rollout import Completion, ModelPrompt, Sampling
 from tandem.rollout.hf import HFEngine
 from tandem.rollout.multiturn import Conversation, TurnLimits, Turns
-from tandem.rollout.stream import Finished, HFStream, Request
+from tandem.rollout.hf.stream import HFStream
+from tandem.rollout.requests import Finished, Request
 from tandem.rollout.vllm.server import VLLMServerEngine
 from tandem.rollout.vllm.stream import ServerStream, VLLMStream
 
@@ -32,7 +33,7 @@ class StreamGroup:
     `serial` is the controller's number for it (unique in the run)."""
 
     serial: int
-    prompt_ids: list[int]
+    prompt: ModelPrompt
     n: int
     seed: int
     max_new_tokens: int
@@ -102,6 +103,11 @@ class StreamSampler:
         self._tools: ThreadPoolExecutor | None = None
 
     def add(self, groups: list[StreamGroup], sampling: Sampling) -> None:
+        for g in groups:
+            if g.prompt.images is not None:  # a stream's requests are ids alone (a config is refused for it)
+                raise ValueError(f"group {g.serial}'s prompt holds images ({', '.join(g.prompt.images.names)}), which "
+                                 "placement.schedule: stream does not carry: its requests would be sampled without "
+                                 "them. Use placement.schedule sync or async")
         with self.lock:
             if self.session is None:
                 self._open(sampling)
@@ -129,9 +135,9 @@ class StreamSampler:
         """Request `i` of group `g` from its prompt (a conversation: its first turn, on a fresh environment)."""
         key = (g.serial, i)
         if self.turns is None:
-            r = Request(key, list(g.prompt_ids), g.max_new_tokens, g.seed + i, restarts=restarts)
+            r = Request(key, list(g.prompt.ids), g.max_new_tokens, g.seed + i, restarts=restarts)
         else:
-            conv = self.turns.begin(0, g.prompt_ids, g.seed + i)
+            conv = self.turns.begin(0, g.prompt, g.seed + i)
             self.conversations[key] = (conv, [self.version] * len(conv.ids))
             r = self._turn(key, conv, restarts)
         self.session.add(r)

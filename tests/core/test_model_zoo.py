@@ -209,7 +209,7 @@ def test_a_vllm_stream_carries_a_sliding_window_model_across_an_update_exactly(t
     from transformers import AutoModelForCausalLM
 
     from tandem.rollout import Sampling
-    from tandem.rollout.stream import Request
+    from tandem.rollout.requests import Request
     from tandem.rollout.vllm.engine import VLLMEngine
     from tandem.rollout.vllm.stream import VLLMStream
     from tiny_qwen import hf_logprobs

@@ -133,14 +133,14 @@ def test_min_pixels_above_max_pixels_is_refused():
 
 def test_a_run_on_rows_with_images_is_refused_before_any_model_loads(tmp_path, tiny_model, monkeypatch):
     import tandem.modeling
-    import tandem.rollout.hf
+    import tandem.rollout.hf.engine
     import tandem.train.policy
     from tandem.trainer import start_run
 
     def no_model(*_args, **_kwargs):
         raise AssertionError("a model loaded before the rows with images were refused")
 
-    for module in (tandem.modeling, tandem.rollout.hf, tandem.train.policy):
+    for module in (tandem.modeling, tandem.rollout.hf.engine, tandem.train.policy):
         monkeypatch.setattr(module, "load_causal_lm", no_model)
     picture(tmp_path / "a.png")
     path = write_jsonl(tmp_path / "t.jsonl", [{"question": "1+1=", "answer": "2"},

@@ -239,7 +239,7 @@ def test_legit_solutions_of_common_test_styles_pass(tests, program):
     assert score(program, tests) == 1.0
 
 
-# ---- issue 45: the verdict's channel, the names the tests rely on, correct code the old handles failed ------------
+# ---- the verdict's channel, the names the tests rely on, correct code the old handles failed ------------
 LINE_BREAKS = ["\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
 
 

@@ -49,13 +49,13 @@ def test_buckets_hold_at_most_the_limit_and_a_gpu_engine_keeps_no_copy(tiny_mode
 
 
 def test_the_reloads_false_alarms_are_dropped_only_from_the_reloading_call_and_thread():
-    """vLLM's reload warns of every module a bucket leaves out (vllm_worker.quiet_reload); those records, and only
+    """vLLM's reload warns of every module a bucket leaves out (vllm.worker.quiet_reload); those records, and only
     those, logged by the reloading thread during the call, are dropped: vLLM's other warnings, and these from another
     thread or after the call, still show."""
     import logging
     import threading
 
-    from tandem.rollout.vllm_worker import _RELOAD_FALSE_ALARMS, quiet_reload
+    from tandem.rollout.vllm.worker import _RELOAD_FALSE_ALARMS, quiet_reload
 
     seen: list[str] = []
     handler = logging.Handler()

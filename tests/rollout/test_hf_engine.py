@@ -8,7 +8,7 @@ import torch
 
 from tandem.modeling import load_causal_lm, load_tokenizer
 from tandem.rollout import Sampling
-from tandem.rollout.hf import HFEngine, _draw, filter_logits, uniforms
+from tandem.rollout.hf import HFEngine, draw, filter_logits, uniforms
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +32,9 @@ def recompute_logprobs(model, prompt, completion, temperature):
 
 @pytest.fixture(params=["prompt per row", "prompt shared"])
 def prompt_cache(request, monkeypatch):
-    """Both ways the engine holds a group's prompt in decode: once for the group (tandem.rollout.shared_prompt, the
+    """Both ways the engine holds a group's prompt in decode: once for the group (tandem.rollout.hf.shared_prompt, the
     tiny Qwen2's way), or copied out to every row for the HF forward (every other architecture's)."""
-    from tandem.rollout import hf
+    from tandem.rollout.hf import engine as hf
 
     if request.param == "prompt per row":
         monkeypatch.setattr(hf, "shares", lambda profile, model, n: False)
@@ -136,7 +136,7 @@ def test_a_draw_inverts_each_rows_cumulative_distribution_at_its_uniform(top_k):
     probs = torch.softmax(filter_logits(logits / 0.7, top_k, 1.0), -1).double()
     u = torch.rand(6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     u[0], u[1] = 0.0, 1.0 - 2.0 ** -53
-    tok, logp = _draw(logits, sampling, u)
+    tok, logp = draw(logits, sampling, u)
     for r in range(6):
         cum = probs[r].cumsum(0)
         assert tok[r] == next(i for i in range(40) if cum[i] > u[r] * cum[-1])
@@ -152,14 +152,14 @@ def test_a_draw_keeps_the_share_of_a_token_too_rare_for_a_float32_sum():
     logits = torch.tensor([[0.0, -27.631, 0.0]])  # p = 0.5, ~5e-13, 0.5
     p = torch.softmax(logits.double(), -1)[0]
     inside = torch.tensor([(p[0] + p[1] / 2) / p.sum()], dtype=torch.float64)
-    assert _draw(logits, Sampling(temperature=1.0), inside)[0].item() == 1
+    assert draw(logits, Sampling(temperature=1.0), inside)[0].item() == 1
 
 
 def test_draws_follow_the_distribution_and_uniforms_come_from_each_prompts_generator():
     probs = torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0]])
     logits = probs.log().expand(20000, -1).contiguous()
     u = uniforms([torch.Generator().manual_seed(5)], 20000, 1)[:, 0]
-    tok, _ = _draw(logits, Sampling(temperature=1.0), u)
+    tok, _ = draw(logits, Sampling(temperature=1.0), u)
     freq = torch.bincount(tok, minlength=6).double() / len(tok)
     sigma = (probs[0].double() * (1 - probs[0].double()) / len(tok)).sqrt()
     assert ((freq - probs[0]).abs() <= 4 * sigma + 1e-12).all(), freq
@@ -187,7 +187,7 @@ def test_load_weights_refuses_bad_names_and_shapes_without_changing_anything(eng
 def test_a_prompt_held_once_samples_as_the_hf_forward(tiny_model, prompts, monkeypatch):
     """The shared-prompt decoder samples the same tokens with the same logprobs as the HF forward's copied cache,
     left padding included (the prompts differ in length); it runs for a group, not for one row per prompt."""
-    from tandem.rollout import hf, shared_prompt
+    from tandem.rollout.hf import engine as hf, shared_prompt
 
     engine, built, real = HFEngine(str(tiny_model), seed=0), [], shared_prompt.SharedPromptDecoder.__init__
 

@@ -14,7 +14,7 @@ from PIL import Image as PILImage
 from data.test_images import grey16, sideways, transparent, upright
 from tandem.data.images import Image
 from tandem.rollout.base import Sampling
-from tandem.samples import Images
+from tandem.samples import Images, ModelPrompt
 
 FILES = {"sideways.jpg": sideways("JPEG"), "sideways.png": sideways("PNG"), "transparent.png": transparent(),
          "grey16.png": grey16()}
@@ -52,7 +52,7 @@ def test_a_server_engine_is_sent_the_trainers_pixels_not_the_file():
 
     engine = object.__new__(VLLMServerEngine)  # no server: the request body alone
     engine.model_name = "m"
-    body = engine.generate_body(_images(), Sampling(), 2, 0, 8)
+    body = engine.generate_body(ModelPrompt([7, 9, 9], _images()), Sampling(), 2, 0, 8)
     assert body["token_ids"] == [7, 1, 1, 1, 1]
     sent = []
     for part in body["content_parts"]:
@@ -65,12 +65,12 @@ def test_a_server_engine_is_sent_the_trainers_pixels_not_the_file():
 
 
 def test_the_in_process_engine_is_given_the_trainers_pixels(monkeypatch):
-    from tandem.rollout.vllm.engine import _prompt
+    from tandem.rollout.vllm.engine import vllm_input
 
     inputs = types.ModuleType("vllm.inputs")  # vLLM's TokensPrompt is a dict; importing vLLM here would alter us
     inputs.TokensPrompt = dict
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
-    prompt = _prompt([7, 9, 9], _images())
+    prompt = vllm_input(ModelPrompt([7, 9, 9], _images()))
     assert prompt["prompt_token_ids"] == [7, 1, 1, 1, 1]
     _same(prompt["multi_modal_data"]["image"], _expected())

@@ -11,6 +11,7 @@ from tandem.rollout.base import Completion, Sampling, Samples
 from tandem.rollout.hf import HFEngine
 from tandem.rollout.multiturn import TurnLimits, conversation_stats, converse
 from tandem.rollout.tools.base import StepResult
+from tandem.samples import Images, ModelPrompt
 from tandem.train.batch import make_micro_batches
 from tandem.train.logprobs import token_logprobs
 from tandem.train.policy import Policy
@@ -204,3 +205,11 @@ def test_a_bad_environment_is_refused_before_any_model_loads(tiny_model, tmp_pat
         start_run(run_config(tiny_model, tmp_path / "a", "env.name=toolz"), claim_output_dir=False)
     with pytest.raises(TypeError, match="turnz"):
         start_run(run_config(tiny_model, tmp_path / "b", "env.kwargs={turnz: 3}"), claim_output_dir=False)
+
+
+def test_a_prompt_with_images_is_refused_not_sampled_without_them(parts):
+    """A conversation's turns are sampled from ids alone: a prompt that brings images is refused, naming them and
+    env.name, before any turn runs (red if they were dropped silently)."""
+    pictured = ModelPrompt([5, 6, 7], Images("k", ("red.png",), {}))
+    with pytest.raises(ValueError, match=r"prompt 1 holds images \(red\.png\).*env\.name"):
+        conversations(parts, [ModelPrompt([5, 6, 7]), pictured])

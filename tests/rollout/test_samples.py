@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tandem.rollout.base import Completion, Samples
+from tandem.samples import Images, ModelPrompt, model_prompts
 
 
 def _call(n_prompts: int, n: int, tag: str) -> list[Completion]:
@@ -44,3 +45,12 @@ def test_lengths_and_truncation_per_row():
 def test_a_group_id_per_completion_is_required():
     with pytest.raises(ValueError, match="2 group ids for 1 completions"):
         Samples(_call(1, 1, "z"), torch.tensor([0, 0]), 1)
+
+
+def test_prompts_reach_an_engine_as_model_prompts_with_their_images():
+    """A text prompt's ids alone become a `ModelPrompt` without images; a `ModelPrompt` passes as it is (its images the
+    same object, which every completion sampled from it then holds); ids are kept immutable."""
+    pictured = ModelPrompt([1, 2], Images("k", ("red.png",), {}))
+    text, same = model_prompts([[3, 4], pictured])
+    assert text == ModelPrompt((3, 4)) and text.images is None and same is pictured
+    assert pictured.ids == (1, 2) and hash(pictured) == hash(ModelPrompt((1, 2), pictured.images))

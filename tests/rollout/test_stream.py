@@ -12,7 +12,8 @@ import zoo_models
 from tandem.modeling import load_tokenizer
 from tandem.rollout import Sampling
 from tandem.rollout.hf import HFEngine
-from tandem.rollout.stream import HFStream, Request, SlotDecoder
+from tandem.rollout.hf.stream import HFStream, SlotDecoder
+from tandem.rollout.requests import Request
 
 TEMPERATURE = 0.8
 

@@ -266,7 +266,7 @@ def test_tied_embedding_update(engine, hf, base, name):
 def _stream_across_an_update(engine, hf, base, carry: bool) -> list:
     """Three requests on a vLLM stream of two slots; after 4 steps new weights land (`carry`: the stream told, as
     StreamSampler does, so its requests are resubmitted from their prefixes); the finished requests."""
-    from tandem.rollout.stream import Request
+    from tandem.rollout.requests import Request
     from tandem.rollout.vllm.stream import VLLMStream
 
     stream = VLLMStream(engine, Sampling(n=1, temperature=0.8, max_new_tokens=12, ignore_eos=True), slots=2)
@@ -297,7 +297,7 @@ def test_a_stream_carries_its_requests_across_a_weight_update_exactly(engine, hf
         fresh = hf_logprobs(hf, r.prompt_ids, r.tokens, 0.8)
         assert (fresh[after] - torch.tensor(r.logprobs)[after]).abs().max() < 1e-5, r.key
     # and the stream goes on after an evaluation's generate takes the engine between two steps
-    from tandem.rollout.stream import Request
+    from tandem.rollout.requests import Request
     from tandem.rollout.vllm.stream import VLLMStream
 
     stream = VLLMStream(engine, Sampling(n=1, temperature=0.8, max_new_tokens=6, ignore_eos=True), slots=2)
@@ -325,6 +325,7 @@ def test_streamed_conversations_on_vllm_are_exact_across_a_weight_update(engine,
     from tandem.modeling import load_tokenizer
     from tandem.rollout.tools import ENVIRONMENTS, register_environment
     from tandem.run.source import sampling_for
+    from tandem.samples import ModelPrompt
     from tandem.workers.stream import StreamGroup, StreamSampler
 
     if "vllm-stream-echo" not in ENVIRONMENTS:
@@ -335,8 +336,8 @@ def test_streamed_conversations_on_vllm_are_exact_across_a_weight_update(engine,
                                  "env": {"name": "vllm-stream-echo", "max_turns": 3, "max_tokens": 64},
                                  "placement": {"schedule": "stream"}})
     sampler = StreamSampler(cfg, engine)
-    sampler.add([StreamGroup(0, PROMPTS[0], 2, seed=0, max_new_tokens=5),
-                 StreamGroup(1, PROMPTS[1], 2, seed=2, max_new_tokens=5)], sampling_for(cfg, None))
+    sampler.add([StreamGroup(0, ModelPrompt(PROMPTS[0]), 2, seed=0, max_new_tokens=5),
+                 StreamGroup(1, ModelPrompt(PROMPTS[1]), 2, seed=2, max_new_tokens=5)], sampling_for(cfg, None))
     while not all(c.turns >= 1 for c, _ in sampler.conversations.values()) or sampler.answering:
         sampler.step()
     old = copy.deepcopy(hf)

@@ -96,7 +96,7 @@ def test_bad_adapter_is_refused_and_the_loaded_one_kept(engine, adapters, change
 
 
 def test_lora_rank_rounds_up_to_one_vllm_accepts():
-    from tandem.rollout.vllm_worker import lora_rank_for
+    from tandem.rollout.vllm.worker import lora_rank_for
 
     assert [lora_rank_for(r) for r in (1, 2, 8, 9, 100)] == [1, 8, 8, 16, 128]
     for bad in (0, 513):

@@ -56,7 +56,7 @@ def test_server_generates_and_updates_weights(tiny_models, tmp_path):
         _a_judge_whose_server_dies_fails_its_samples_naming_it(eng, path)
     assert eng.proc is not None and eng.proc.poll() is not None  # the server is gone
     # vLLM's reload warns of every module an update leaves out; the server's worker extension drops those (and only
-    # those) records, so the log reads clean after updates that loaded (vllm_worker.quiet_reload)
+    # those) records, so the log reads clean after updates that loaded (vllm.worker.quiet_reload)
     log = (tmp_path / "server.log").read_text(errors="replace").splitlines()
     alarms = [line for line in log if "Failed to load weights" in line or "were not loaded from checkpoint" in line]
     assert not alarms, f"{len(alarms)} of the reload's warnings in the server's log, e.g. {alarms[:2]}"
@@ -100,7 +100,7 @@ def _stream_with_one_finished_and_one_running(eng, prompts: list[list[int]]):
     with its last chunk not yet taken, and request 2 waits for a slot. The two calls race on the server: this process
     was seen to stall for up to 3.7 s right after submitting request 0 (stop 53's CI: request 1's call sent late and
     request 0 finished alone first), so a race lost is set up again, not asserted on."""
-    from tandem.rollout.stream import Request
+    from tandem.rollout.requests import Request
     from tandem.rollout.vllm.stream import ServerStream
 
     for _ in range(SET_UP_TRIES):

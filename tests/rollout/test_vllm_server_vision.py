@@ -1,4 +1,4 @@
-"""A vision-language model on a vLLM server (issue 47): prompts with images go to its /inference/v1/generate with one
+"""A vision-language model on a vLLM server: prompts with images go to its /inference/v1/generate with one
 placeholder per image and the images' files, the server expands them into the processor's ids (resized within
 data.max_pixels, as the trainer's processor resizes them), samples as the trainer scores after a weight sync (the
 images' cached encodings dropped with it), and a prompt sent expanded already is refused. One server start (~35 s on
@@ -25,7 +25,7 @@ from tandem.data.images import image_resize  # noqa: E402
 from tandem.modeling import load_causal_lm, load_processor  # noqa: E402
 from tandem.rollout.base import Sampling  # noqa: E402
 from tandem.run.vision import VisionPrompts  # noqa: E402
-from tandem.samples import Samples  # noqa: E402
+from tandem.samples import ModelPrompt, Samples  # noqa: E402
 from tandem.train.batch import make_micro_batches  # noqa: E402
 from tandem.train.logprobs import token_logprobs  # noqa: E402
 
@@ -81,8 +81,9 @@ def test_a_vllm_server_samples_image_prompts_as_the_trainer_scores_them_after_a_
     prompts = _prompts(vision)
     assert len(prompts[0].ids) < len(VisionPrompts(load_processor(tiling), False, "").ids(prompts[0].row))
     images = [vision.images(p) for p in prompts]
-    before = server.generate([p.ids for p in prompts], Sampling(n=1, temperature=0.0, max_new_tokens=2),
-                             images=images)  # the old tower's encodings of the pictures, now in vLLM's cache
+    pictured = [ModelPrompt(p.ids, im) for p, im in zip(prompts, images)]
+    # the old tower's encodings of the pictures, now in vLLM's cache
+    before = server.generate(pictured, Sampling(n=1, temperature=0.0, max_new_tokens=2))
     assert [c.prompt_ids for c in before] == [p.ids for p in prompts]
 
     model = load_causal_lm(tiling)
@@ -93,12 +94,10 @@ def test_a_vllm_server_samples_image_prompts_as_the_trainer_scores_them_after_a_
     model.load_state_dict(new)
     server.load_weights(new.items())
 
-    comps = server.generate([p.ids for p in prompts], Sampling(n=3, temperature=1.0, max_new_tokens=6, seed=4),
-                            images=images)
+    comps = server.generate(pictured, Sampling(n=3, temperature=1.0, max_new_tokens=6, seed=4))
     assert [c.prompt_index for c in comps] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert [c.prompt_ids for c in comps] == [prompts[c.prompt_index].ids for c in comps]
-    for c in comps:
-        c.images = images[c.prompt_index]
+    assert all(c.images is images[c.prompt_index] for c in comps)  # each holds its prompt's, by being sampled
     samples = Samples.of_call(comps, len(prompts))
     logp, mb = _trainer_logprobs(model, samples)
     gap = float(((logp - mb.sampler_logprobs).abs() * mb.mask).max())
@@ -117,4 +116,4 @@ def test_a_prompt_sent_to_a_vllm_server_already_expanded_is_refused(server, visi
     twice = dataclasses.replace(vision.images(prompt), engine_ids=tuple(prompt.ids))
     with pytest.raises(RuntimeError, match=f"vLLM expanded its image placeholders into \\d+ ids, the model's "
                                            f"processor into {len(prompt.ids)}"):
-        server.generate([prompt.ids], Sampling(n=1, temperature=0.0, max_new_tokens=2), images=[twice])
+        server.generate([ModelPrompt(prompt.ids, twice)], Sampling(n=1, temperature=0.0, max_new_tokens=2))

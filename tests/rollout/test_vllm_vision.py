@@ -1,4 +1,4 @@
-"""A vision-language model on vLLM in process (issue 47): vLLM gets each prompt with one placeholder per image and
+"""A vision-language model on vLLM in process: vLLM gets each prompt with one placeholder per image and
 the images, expands them itself into the processor's ids, and samples as the hf engine does; a prompt sent expanded
 already is refused; a run on it keeps engine and trainer equal after every sync."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ from train.test_vision import _prompts  # noqa: E402  (three image prompts, two 
 
 from tandem.modeling import load_processor  # noqa: E402
 from tandem.rollout.base import Sampling  # noqa: E402
+from tandem.samples import ModelPrompt  # noqa: E402
 from tandem.run.vision import VisionPrompts  # noqa: E402
 
 LOGPROB_TOL = 1e-4  # as tests/rollout/test_vllm_engine.py's: vLLM's CPU kernels against HF's
@@ -42,8 +43,9 @@ def test_vllm_expands_the_images_as_the_processor_and_samples_as_hf(vlm, engines
     images = [vision.images(p) for p in prompts]
     assert all(len(im.engine_ids) < len(p.ids) for im, p in zip(images, prompts))  # one placeholder, not expanded
     greedy = Sampling(n=1, temperature=0.0, max_new_tokens=6)
-    want, got = (e.generate([p.ids for p in prompts], greedy, images=images) for e in (hf, vllm))
+    want, got = (e.generate([ModelPrompt(p.ids, im) for p, im in zip(prompts, images)], greedy) for e in (hf, vllm))
     assert [c.prompt_ids for c in got] == [p.ids for p in prompts]
+    assert all(c.images is images[c.prompt_index] for c in want + got)  # each holds its prompt's, by being sampled
     assert [c.completion_ids for c in got] == [c.completion_ids for c in want]
     gap = max(abs(a - b) for w, g in zip(want, got) for a, b in zip(w.logprobs, g.logprobs))
     assert gap < LOGPROB_TOL, gap
@@ -58,7 +60,7 @@ def test_a_prompt_sent_to_vllm_already_expanded_is_refused(vlm, engines):
     prompt = _prompts(vision)[0]
     twice = dataclasses.replace(vision.images(prompt), engine_ids=tuple(prompt.ids))
     with pytest.raises(RuntimeError, match="vLLM expanded its image placeholders into"):
-        vllm.generate([prompt.ids], Sampling(n=1, temperature=0.0, max_new_tokens=2), images=[twice])
+        vllm.generate([ModelPrompt(prompt.ids, twice)], Sampling(n=1, temperature=0.0, max_new_tokens=2))
 
 
 def test_a_vision_run_with_vllm_in_process_keeps_engine_and_trainer_equal(vlm, tmp_path):
@@ -113,10 +115,10 @@ def test_vllm_resizes_images_within_the_pixel_limits_as_the_trainers_processor(v
     prompts = [Prompt(v.ids(row), row) for v in (bounded, grown)]
     assert len(prompts[0].ids) < len(prompts[1].ids)
     with VLLMEngine(**kwargs) as engine:
-        (done,) = engine.generate([prompts[0].ids], greedy, images=[bounded.images(prompts[0])])
+        (done,) = engine.generate([ModelPrompt(prompts[0].ids, bounded.images(prompts[0]))], greedy)
         assert done.prompt_ids == prompts[0].ids
         with pytest.raises(RuntimeError, match="vLLM expanded its image placeholders into"):
-            engine.generate([prompts[1].ids], greedy, images=[grown.images(prompts[1])])
+            engine.generate([ModelPrompt(prompts[1].ids, grown.images(prompts[1]))], greedy)
 
 
 def test_vllm_serves_a_lora_adapter_on_the_language_model_as_hf_samples_it_merged(vlm):
@@ -132,7 +134,7 @@ def test_vllm_serves_a_lora_adapter_on_the_language_model_as_hf_samples_it_merge
 
     vision = VisionPrompts(load_processor(vlm), chat_template=False, system_prompt="")
     prompts = _prompts(vision)
-    images, ids = [vision.images(p) for p in prompts], [p.ids for p in prompts]
+    ids = [ModelPrompt(p.ids, vision.images(p)) for p in prompts]
     model = load_causal_lm(vlm)
     lora.wrap(model, LoraConfig(enabled=True), profile(vlm), seed=0)
     torch.manual_seed(1)
@@ -143,12 +145,12 @@ def test_vllm_serves_a_lora_adapter_on_the_language_model_as_hf_samples_it_merge
     merged = HFEngine(str(vlm), seed=0)
     merged.load_weights(list(lora.merged_weights(model)))
     greedy = Sampling(n=1, temperature=0.0, max_new_tokens=6)
-    want = merged.generate(ids, greedy, images=images)
+    want = merged.generate(ids, greedy)
     with VLLMEngine(str(vlm), seed=0, max_model_len=64, kv_cache_bytes=32 << 20, enable_sleep=False,
                     lora_rank=8) as engine:
-        base = engine.generate(ids, greedy, images=images)
+        base = engine.generate(ids, greedy)
         engine.load_adapter(adapter, LoraConfig().alpha, LoraConfig().rank)
-        got = engine.generate(ids, greedy, images=images)
+        got = engine.generate(ids, greedy)
     assert [c.completion_ids for c in got] == [c.completion_ids for c in want]
     assert max(abs(a - b) for w, g in zip(want, got) for a, b in zip(w.logprobs, g.logprobs)) < LOGPROB_TOL
     assert any(b.logprobs != g.logprobs for b, g in zip(base, got))

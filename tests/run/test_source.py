@@ -29,7 +29,7 @@ class _Rounds:
     def take(self, n: int) -> list[Prompt]:
         return [Prompt([self.round, i], {"question": f"q{self.round}{i}"}) for i in range(n)]
 
-    def submit_generate(self, ids, sampling, images=None):
+    def submit_generate(self, prompts, sampling):
         r, self.round = self.round, self.round + 1
         comps = [Completion([r, i // 2], [7, 8], [0.0, 0.0], text, "length" if i == 3 else "stop", i // 2)
                  for i, text in enumerate(ROUNDS[r])]

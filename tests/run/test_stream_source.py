@@ -14,6 +14,7 @@ from tandem.modeling import load_tokenizer
 from tandem.rewards.base import RewardResult
 from tandem.rollout.hf import HFEngine
 from tandem.run.source import RolloutSource
+from tandem.samples import ModelPrompt
 from tandem.workers.stream import StreamSampler
 
 P, G, BOUND = 2, 2, 1
@@ -114,7 +115,7 @@ def test_a_group_waits_whole_in_the_sampler_until_its_last_request_stops(tiny_mo
     from tandem.workers.stream import StreamGroup
 
     sampler = StreamSampler(cfg, HFEngine(str(tiny_model), seed=0))
-    sampler.add([StreamGroup(7, [3, 4, 5], 4, seed=0, max_new_tokens=3)], sampling_for(cfg, None))
+    sampler.add([StreamGroup(7, ModelPrompt([3, 4, 5]), 4, seed=0, max_new_tokens=3)], sampling_for(cfg, None))
     partial_seen, handed = False, []
     while sampler.in_flight:
         sampler.step()
@@ -152,7 +153,7 @@ def test_drop_stops_the_run_naming_the_fix_when_a_request_can_never_finish(tiny_
                                  "rollout": {"max_new_tokens": 64, "ignore_eos": True, "partial": "drop"},
                                  "placement": {"schedule": "stream", "max_staleness": 1}})
     sampler = StreamSampler(cfg, HFEngine(str(tiny_model), seed=0))
-    sampler.add([StreamGroup(0, [3, 4, 5], 2, seed=0, max_new_tokens=64)], sampling_for(cfg, None))
+    sampler.add([StreamGroup(0, ModelPrompt([3, 4, 5]), 2, seed=0, max_new_tokens=64)], sampling_for(cfg, None))
     with pytest.raises(RuntimeError, match=r"begun a request again 8 times .* Set rollout\.partial: resume"):
         for version in range(1, 4 * DROP_RESTARTS):
             sampler.step()
@@ -175,3 +176,19 @@ def test_a_sampler_with_nothing_in_flight_counts_the_time_as_idle(tiny_model):
     assert sampler.step() is False
     report = sampler.take()
     assert report.idle_seconds >= 0.2 and report.busy_seconds == 0
+
+
+def test_a_streamed_prompt_with_images_is_refused_not_sampled_without_them():
+    """A stream's requests are ids alone: a group whose prompt brings images is refused, naming them and the
+    schedule, before any request starts (red if they were dropped silently)."""
+    from tandem.run.source import sampling_for
+    from tandem.samples import Images
+    from tandem.workers.stream import StreamGroup
+
+    cfg = Config.model_validate({"batch": {"prompts_per_step": 1, "group_size": 2},
+                                 "placement": {"schedule": "stream"}})
+    sampler = StreamSampler(cfg, engine=None)  # refused before the engine is asked anything
+    pictured = ModelPrompt([3, 4, 5], Images("k", ("red.png",), {}))
+    with pytest.raises(ValueError, match=r"group 3's prompt holds images \(red\.png\).*placement\.schedule: stream"):
+        sampler.add([StreamGroup(3, pictured, 2, seed=0, max_new_tokens=3)], sampling_for(cfg, None))
+    assert not sampler.groups

@@ -200,6 +200,6 @@ def test_a_micro_batch_moves_every_tensor_to_the_policys_device():
     tensors = [getattr(mb, f.name) for f in fields(mb)] + [getattr(mb.shared, f.name) for f in fields(mb.shared)]
     tensors += [rows for rows, _ in mb.shared.buckets]
     tensors = [t for t in tensors if torch.is_tensor(t)]
-    # 15: the advantages are no longer a micro-batch field (looked up by row at the update, issue 18)
+    # 15: the advantages are no longer a micro-batch field (looked up by row at the update)
     assert len(tensors) >= 15 and all(t.device.type == "meta" for t in tensors)
     assert mb.ref_logprobs is None and isinstance(mb.rows, list)

@@ -1,4 +1,4 @@
-"""Vision-language models (issue 47, the first placement: the hf engine in one process), on the vision demo's tiny
+"""Vision-language models (the hf engine in one process), on the vision demo's tiny
 Idefics3 untrained: the images reach the engine's prefill and the trainer's forwards, engine and trainer agree on every
 sampled token in both layouts, two pictures under the same question stay two prompts, and what is not built yet is
 refused before any model loads."""
@@ -18,7 +18,7 @@ from tandem.run.vision import VisionPrompts
 from tandem.modeling import load_causal_lm, load_processor
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine
-from tandem.samples import Completion, Samples
+from tandem.samples import Completion, ModelPrompt, Samples
 from tandem.train.batch import make_micro_batches
 from tandem.train.logprobs import token_logprobs
 
@@ -39,11 +39,9 @@ def _prompts(vision: VisionPrompts) -> list[Prompt]:
 
 def _sampled(vlm: Path, prompts: list[Prompt], vision: VisionPrompts) -> Samples:
     engine = HFEngine(str(vlm), seed=0)
-    images = [vision.images(p) for p in prompts]
-    comps = engine.generate([p.ids for p in prompts], Sampling(n=4, temperature=1.0, max_new_tokens=6, seed=3),
-                            images=images)
-    for c in comps:
-        c.images = images[c.prompt_index]  # as the placement attaches them (`placement.with_images`)
+    pictured = [ModelPrompt(p.ids, vision.images(p)) for p in prompts]
+    comps = engine.generate(pictured, Sampling(n=4, temperature=1.0, max_new_tokens=6, seed=3))
+    assert all(c.images is pictured[c.prompt_index].images for c in comps)  # each holds its prompt's images
     return Samples.of_call(comps, len(prompts))
 
 

@@ -1,4 +1,4 @@
-"""model.freeze_vision, LoRA and the pixel limits on a vision-language model (issue 47), on the vision demo's tiny
+"""model.freeze_vision, LoRA and the pixel limits on a vision-language model, on the vision demo's tiny
 Idefics3 (random weights): the vision side (tower and connector) keeps its weights while the language model trains, a
 weight sync sends it once (at every sync into an engine that drops its weights while it sleeps), LoRA adapts the
 language model only, and data.max_pixels / min_pixels become the image processor's resize bounds."""

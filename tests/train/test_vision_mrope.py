@@ -18,7 +18,7 @@ from tandem.modeling import load_causal_lm, load_processor
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine
 from tandem.run.vision import VisionPrompts
-from tandem.samples import Completion, Samples
+from tandem.samples import Completion, ModelPrompt, Samples
 from tandem.train import logprobs
 from tandem.train.batch import make_micro_batches
 from tandem.architectures import profile_of
@@ -138,18 +138,14 @@ def test_the_hf_engine_samples_at_3d_positions(qwen_vlm):
     decoding ran 1-D positions (the trainer's differ by over 1e-3: the test above)."""
     vision = VisionPrompts(load_processor(qwen_vlm), chat_template=False, system_prompt="")
     prompts = _prompts(vision)[:2]
-    images = [vision.images(p) for p in prompts]
+    pictured = [ModelPrompt(p.ids, vision.images(p)) for p in prompts]
     engine = HFEngine(str(qwen_vlm), seed=0)
-    comps = engine.generate([p.ids for p in prompts], Sampling(n=4, temperature=1.0, max_new_tokens=6, seed=3),
-                            images=images)
-    for c in comps:
-        c.images = images[c.prompt_index]
+    comps = engine.generate(pictured, Sampling(n=4, temperature=1.0, max_new_tokens=6, seed=3))
     (mb,) = make_micro_batches(Samples.of_call(comps, 2), 4096, engine.pad_id)
     with torch.no_grad():
         logp, _ = token_logprobs(engine.model, mb, 1.0)
     assert ((logp - mb.sampler_logprobs).abs() * mb.mask).max() < 1e-5
-    greedy = engine.generate([p.ids for p in prompts], Sampling(n=1, temperature=0.0, max_new_tokens=6),
-                             images=images)
+    greedy = engine.generate(pictured, Sampling(n=1, temperature=0.0, max_new_tokens=6))
     for p, c in zip(prompts, greedy):
         inputs = vision.encode(p.row)
         with torch.no_grad():

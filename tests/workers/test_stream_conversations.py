@@ -17,6 +17,7 @@ from tandem.rollout.multiturn import TurnLimits, converse
 from tandem.rollout.tools import register_environment
 from tandem.rollout.tools.base import StepResult
 from tandem.run.source import sampling_for
+from tandem.samples import ModelPrompt
 from tandem.workers.stream import StreamGroup, StreamSampler
 
 TURNS, TURN_TOKENS, TEMPERATURE = 3, 4, 0.8
@@ -89,7 +90,7 @@ def test_streamed_conversations_are_the_conversations_converse_samples(engine, p
     forward's of the whole conversation, so each turn continued from the exact ids before it."""
     cfg, G = _cfg(tiny_model, group_size=3, slots=2), 3  # two slots, three conversations: turns wait for slots too
     sampler = StreamSampler(cfg, engine)
-    sampler.add([StreamGroup(5, prompt, G, seed=11, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
+    sampler.add([StreamGroup(5, ModelPrompt(prompt), G, seed=11, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
     ((serial, streamed),) = _drain(sampler)
     assert serial == 5 and not sampler.conversations and not sampler.answering
     expected = converse(engine, engine.tokenizer, [prompt], dataclasses.replace(sampling_for(cfg, None), seeds=(11,)),
@@ -115,7 +116,7 @@ def test_a_weight_update_between_turns_tags_each_token_with_its_version(engine, 
     conversation (its earlier turns prefilled again)."""
     cfg = _cfg(tiny_model, group_size=2, slots=2)
     sampler = StreamSampler(cfg, engine)
-    sampler.add([StreamGroup(0, prompt, 2, seed=3, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
+    sampler.add([StreamGroup(0, ModelPrompt(prompt), 2, seed=3, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
     _drain(sampler, until=lambda s: all(c.turns >= 1 for c, _ in s.conversations.values()) and not s.answering)
     old = copy.deepcopy(engine.model)
     g = torch.Generator().manual_seed(1)
@@ -145,8 +146,8 @@ def test_a_slow_tool_does_not_hold_up_the_other_conversations(engine, tiny_model
     sampler = StreamSampler(cfg, engine)
     Echo.gate, Echo.gated = threading.Event(), tok.decode(slow)
     try:
-        sampler.add([StreamGroup(0, slow, 1, seed=0, max_new_tokens=TURN_TOKENS),
-                     StreamGroup(1, fast, 1, seed=1, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
+        sampler.add([StreamGroup(0, ModelPrompt(slow), 1, seed=0, max_new_tokens=TURN_TOKENS),
+                     StreamGroup(1, ModelPrompt(fast), 1, seed=1, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
         handed = _drain(sampler, until=lambda s: 0 not in s.groups or 1 not in s.groups)
         assert [serial for serial, _ in handed] == [1] and (0, 0) in sampler.answering  # still waiting for its tool
         Echo.gate.set()
@@ -163,7 +164,7 @@ def test_under_drop_a_conversation_too_stale_begins_again_whole(engine, prompt, 
     prompt on a fresh environment, in its first turn as in a later one."""
     cfg = _cfg(tiny_model, group_size=2, slots=4, partial="drop")
     sampler = StreamSampler(cfg, engine)
-    sampler.add([StreamGroup(0, prompt, 2, seed=0, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
+    sampler.add([StreamGroup(0, ModelPrompt(prompt), 2, seed=0, max_new_tokens=TURN_TOKENS)], sampling_for(cfg, None))
     sampler.step()
     sampler.step()  # both conversations two tokens into their first turn, at version 0
     assert all(conv.turns == 0 for conv, _ in sampler.conversations.values())

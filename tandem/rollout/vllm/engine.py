@@ -6,21 +6,21 @@ import itertools
 import logging
 import os
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest
-from tandem.samples import Images
+from tandem.samples import ModelPrompt, model_prompts
 from tandem.util.pixels import decode
-from tandem.rollout.vllm.process import (_adopted_tp, _keeping_default_group, _ProcessSnapshot,
-                                         _release_vllm_globals, _world_initialized, import_vllm, remove_segments,
-                                         shared_memory_segments)
-from tandem.rollout.vllm.sampling import (WORKER_EXTENSION, _completions, _engine_only_kwargs, _requests,
-                                          _sampling_kwargs, cpu_custom_ops)
+from tandem.rollout.vllm.process import (ProcessSnapshot, adopted_tp, import_vllm, keeping_default_group,
+                                         release_vllm_globals, remove_segments, shared_memory_segments,
+                                         world_initialized)
+from tandem.rollout.vllm.sampling import (WORKER_EXTENSION, cpu_custom_ops, engine_only_kwargs, engine_requests,
+                                          request_completions, sampling_kwargs)
 from tandem.rollout.vllm.weights import Bucket, EngineWeights, SyncStats
-from tandem.rollout.vllm_worker import check_adapter, encode_weights, lora_rank_for
+from tandem.rollout.vllm.worker import check_adapter, encode_weights, lora_rank_for
 from tandem.util.rng import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class VLLMEngine:
                  engine_kwargs: dict[str, Any] | None = None, shm_ident: str | None = None, lora_rank: int = 0,
                  mm_processor_kwargs: dict[str, Any] | None = None) -> None:
         """`shm_ident`: the name every shared-memory segment of a tensor-parallel engine inside an existing
-        process group starts with (the same on all its ranks, unique to the run; see `_adopted_tp`).
+        process group starts with (the same on all its ranks, unique to the run; see `adopted_tp`).
         `lora_rank` > 0: serve LoRA adapters of up to that rank (`load_adapter`); vLLM's max_lora_rank is the
         smallest rank it accepts that holds it (1, 8, 16, 32, ...).
         `mm_processor_kwargs`: what vLLM calls a vision-language model's processor with, the trainer's too
@@ -77,7 +77,7 @@ class VLLMEngine:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         self.updates = EngineWeights(str(model_path), dtype, sync_bucket_mb)
-        snap = _ProcessSnapshot()
+        snap = ProcessSnapshot()
         vllm = import_vllm()
         self.model_path, self.dtype, self.sleep_level = str(model_path), self.updates.dtype, sleep_level
         self.on_cpu = _on_cpu()
@@ -99,7 +99,7 @@ class VLLMEngine:
             kwargs["mm_processor_kwargs"] = dict(mm_processor_kwargs)
         # Inside a process group that exists already (colocated workers), vLLM adopts that world and builds its
         # groups over it collectively; closing must then leave the world alone (see `close`).
-        self.adopted_world = _world_initialized()
+        self.adopted_world = world_initialized()
         self.shm_ident = shm_ident
         external = self.adopted_world and tensor_parallel_size > 1
         if external:
@@ -124,10 +124,10 @@ class VLLMEngine:
         self.lora_request: Any = None  # the adapter generate() serves (None: the base model)
         self.last_sync_seconds, self.last_sync_bytes, self.last_sync_buckets = SyncStats(0.0, 0, 0)
 
-    def _start(self, vllm: Any, kwargs: dict[str, Any], snap: _ProcessSnapshot, external: bool) -> None:
+    def _start(self, vllm: Any, kwargs: dict[str, Any], snap: ProcessSnapshot, external: bool) -> None:
         """Build vLLM's engine, then undo what that changed in this process (`snap`: threads, environment, RNG)."""
         try:
-            with _adopted_tp(self.shm_ident) if external else contextlib.nullcontext():
+            with adopted_tp(self.shm_ident) if external else contextlib.nullcontext():
                 self.llm = vllm.LLM(**kwargs)
             # vLLM seeded the global RNGs for its sampler; keep that stream for vLLM and give the trainer its own.
             self._engine_rng = rng_state()
@@ -159,32 +159,31 @@ class VLLMEngine:
         if self.asleep:
             raise RuntimeError("VLLMEngine is asleep; call wake() first")
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling,
-                 images: list[Images | None] | None = None) -> list[Completion]:
-        """`images`: a vision-language model's, one per prompt (None: a text prompt). vLLM runs the model's processor
+    def generate(self, prompts: Sequence[ModelPrompt | Sequence[int]], sampling: Sampling) -> list[Completion]:
+        """A vision-language model's prompt brings its images (`ModelPrompt.images`). vLLM runs the model's processor
         itself, so it gets each image's file and the prompt with ONE placeholder per image, which it expands; the
-        ids it expands them into must be the prompt's (`prompts[i]`, the processor's at load): a prompt sent
+        ids it expands them into must be the prompt's (`ModelPrompt.ids`, the processor's at load): a prompt sent
         expanded already would be expanded twice, silently (seen on Qwen2.5-VL, Idefics3, Gemma 3)."""
         from vllm import SamplingParams
 
         self._check_usable()
-        reqs = _requests(prompts, sampling)
-        for i, ids, _, _ in reqs:
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        reqs = engine_requests(model_prompts(prompts), sampling)
+        for i, prompt, _, _ in reqs:
+            if len(prompt.ids) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(prompt.ids)} tokens; max_model_len is {self.max_model_len}")
         if not reqs:
             return []
-        inputs = [_prompt(ids, None if images is None else images[i]) for i, ids, _, _ in reqs]
-        extra = _engine_only_kwargs(sampling)
-        params = [SamplingParams(**dict(_sampling_kwargs(sampling, n, seed), max_tokens=sampling.limit(i)), **extra)
+        inputs = [vllm_input(prompt) for _, prompt, _, _ in reqs]
+        extra = engine_only_kwargs(sampling)
+        params = [SamplingParams(**dict(sampling_kwargs(sampling, n, seed), max_tokens=sampling.limit(i)), **extra)
                   for i, _, n, seed in reqs]
         with self._engine_context():
             outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
-        for (i, ids, _, _), out in zip(reqs, outputs):
-            if images is not None and images[i] is not None:
-                check_expanded(i, list(out.prompt_token_ids), ids)
-        completions = [c for (i, ids, _, _), out in zip(reqs, outputs)
-                       for c in _completions(out, i, ids, extra["detokenize"])]
+        for (i, prompt, _, _), out in zip(reqs, outputs):
+            if prompt.images is not None:
+                check_expanded(i, list(out.prompt_token_ids), list(prompt.ids))
+        completions = [c for (i, prompt, _, _), out in zip(reqs, outputs)
+                       for c in request_completions(out, i, prompt, extra["detokenize"])]
         if not extra["detokenize"]:
             texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
             for c, text in zip(completions, texts):
@@ -208,10 +207,10 @@ class VLLMEngine:
             if not ids or len(ids) >= self.max_model_len:
                 raise ValueError(f"conversation {key}: {len(ids)} prompt tokens; max_model_len is {self.max_model_len}")
             seed = int(sampling.seeds[0]) if sampling.seeds else sampling.seed
-            extra = _engine_only_kwargs(sampling)
+            extra = engine_only_kwargs(sampling)
             rid = f"tandem-turn-{next(made)}"
             engine.add_request(rid, TokensPrompt(prompt_token_ids=ids),
-                               SamplingParams(**_sampling_kwargs(sampling, 1, seed), **extra),
+                               SamplingParams(**sampling_kwargs(sampling, 1, seed), **extra),
                                lora_request=self.lora_request)
             pending[rid] = (key, ids, extra["detokenize"])
 
@@ -223,7 +222,7 @@ class VLLMEngine:
                     if not out.finished or out.request_id not in pending:
                         continue
                     key, ids, detokenized = pending.pop(out.request_id)
-                    (done,) = _completions(out, key, ids, detokenized)
+                    (done,) = request_completions(out, key, ModelPrompt(ids), detokenized)
                     if not detokenized:
                         done.text = self.tokenizer.decode(done.completion_ids, skip_special_tokens=True)
                     after = follow(key, done)
@@ -330,9 +329,9 @@ class VLLMEngine:
         self.closed = True
         global _LIVE_ENGINES
         _LIVE_ENGINES -= 1
-        snap = _ProcessSnapshot()
+        snap = ProcessSnapshot()
         segments = self.shared_memory_segments()  # vLLM never unlinks them, even on a clean shutdown
-        with _keeping_default_group() if self.adopted_world else contextlib.nullcontext():
+        with keeping_default_group() if self.adopted_world else contextlib.nullcontext():
             try:
                 # vLLM's engine shutdown (also run by a finalizer when the engine is collected) tears down its
                 # per-process distributed state, which the other engines in this process still use: only the
@@ -353,7 +352,7 @@ class VLLMEngine:
                 del self.llm
                 self.updates.close()
                 if _LIVE_ENGINES == 0:
-                    _release_vllm_globals()
+                    release_vllm_globals()
                 remove_segments(segments)
                 snap.restore(rng=False)
 
@@ -377,12 +376,13 @@ def check_expanded(i: int, expanded: list[int], ids: list[int]) -> None:
             "processor resizing otherwise than the trainer's)")
 
 
-def _prompt(ids: list[int], images: Images | None) -> Any:
+def vllm_input(prompt: ModelPrompt) -> Any:
     """vLLM's input for one prompt: its ids, or with images the ids with one placeholder per image and the images,
     decoded as the trainer's processor is given them (`decode`), so that vLLM sees the trainer's pixels."""
     from vllm.inputs import TokensPrompt
 
+    images = prompt.images
     if images is None:
-        return TokensPrompt(prompt_token_ids=ids)
+        return TokensPrompt(prompt_token_ids=list(prompt.ids))
     pictures = [decode(data) for data in images.files]
     return TokensPrompt(prompt_token_ids=list(images.engine_ids), multi_modal_data={"image": pictures})

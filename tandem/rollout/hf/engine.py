@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -13,8 +13,8 @@ from tandem.util import residency
 from tandem.modeling import eos_token_ids, load_causal_lm, load_tokenizer, rope_positions
 from tandem.rollout.base import Completion, Sampling
 from tandem.rollout.manifest import Digest, Spec, check_manifest, digest
-from tandem.rollout.shared_prompt import SharedPromptDecoder, shares
-from tandem.samples import Images, batch_images
+from tandem.rollout.hf.shared_prompt import SharedPromptDecoder, shares
+from tandem.samples import ModelPrompt, batch_images, model_prompts
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -33,14 +33,14 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def uniforms(gens: list[torch.Generator], steps: int, rows: int) -> torch.Tensor:
-    """[steps, rows] float64 uniforms in [0, 1) for `_draw`, drawn once for a whole `generate`: generator i gives
+    """[steps, rows] float64 uniforms in [0, 1) for `draw`, drawn once for a whole `generate`: generator i gives
     its equal run of the rows (one generator for the batch, or one per prompt for its n rows), each row's draws
     in step order, so a prompt's samples depend only on its own generator."""
     per = rows // len(gens)
     return torch.cat([torch.rand((steps, per), dtype=torch.float64, generator=g, device=g.device) for g in gens], 1)
 
 
-def _draw(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None, alive: torch.Tensor | None = None,
+def draw(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None, alive: torch.Tensor | None = None,
           pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob (under the temperature, before truncation: what the trainer recomputes).
     Greedy at temperature 0; else the inverse of each row's cumulative distribution at its uniform `u` [rows]
@@ -76,7 +76,7 @@ class HFEngine:
     """Samples with the model's own forward and a KV cache, one decode step for the whole batch at a time.
 
     The prefill runs each distinct prompt once, however many completions it gets (GRPO's group: `Sampling.n`), and
-    its keys and values are held once for the group's rows (`tandem.rollout.shared_prompt`: Qwen2 and Llama on
+    its keys and values are held once for the group's rows (`tandem.rollout.hf.shared_prompt`: Qwen2 and Llama on
     CPU), or copied out to each row for the HF forward. Rows are left-padded so every row's next token sits in the last
     column; a row that has finished keeps feeding padding (its outputs are discarded) and the loop ends when every
     row has finished.
@@ -104,17 +104,17 @@ class HFEngine:
         self.last_sync_bytes = 0
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: Sampling,
-                 images: list[Images | None] | None = None) -> list[Completion]:
+    def generate(self, prompts: Sequence[ModelPrompt | Sequence[int]], sampling: Sampling) -> list[Completion]:
         """`sampling.n` completions of each prompt. Draws come from one generator seeded `sampling.seed` (default:
         the engine's seed), or with `sampling.seeds` one per prompt, seeded `seeds[i]`, so that a prompt's samples
         do not depend on which other prompts share its batch (a placement that spreads prompts over engines).
-        `images`: a vision-language model's, one per prompt (None: a text prompt): they enter the prefill, which
+        A vision-language model's prompt brings its images (`ModelPrompt.images`): they enter the prefill, which
         runs each prompt once, so the vision tower runs once per prompt, not once per completion."""
         self._check_awake("generate")
+        prompts = model_prompts(prompts)
         if not prompts:
             return []
-        if any(len(p) == 0 for p in prompts):
+        if any(len(p.ids) == 0 for p in prompts):
             raise ValueError("generate: empty prompt (0 tokens); every prompt needs at least one token")
         if sampling.seeds and len(sampling.seeds) != len(prompts):
             raise ValueError(f"generate: {len(sampling.seeds)} seeds for {len(prompts)} prompts (Sampling.seeds is "
@@ -124,12 +124,11 @@ class HFEngine:
                              "(Sampling.max_tokens is one per prompt)")
         n, dev = sampling.n, self.device
         seeds = sampling.seeds or (self.seed if sampling.seed is None else sampling.seed,)
-        rows = [p for p in prompts for _ in range(n)]
-        B = len(rows)
+        B = len(prompts) * n  # rows: prompt i's are i * n .. i * n + n - 1
         limits = torch.tensor([sampling.limit(i // n) for i in range(B)], device=dev)
         most = int(limits.max())
         with self._routes_record() as record:  # the experts each position went to (MoE models only)
-            logits, next_pos, step = self._prefill(prompts, n, most, images)
+            logits, next_pos, step = self._prefill(prompts, n, most)
             stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_ids))
             stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
             alive = torch.ones(B, dtype=torch.bool, device=dev)  # rows still sampling (a finished one feeds padding)
@@ -143,7 +142,7 @@ class HFEngine:
                 gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
                 draws = uniforms(gens, most, B)
             for drawn in range(most):
-                tok, lp = _draw(logits.float(), sampling, None if draws is None else draws[drawn], alive, self.pad_id)
+                tok, lp = draw(logits.float(), sampling, None if draws is None else draws[drawn], alive, self.pad_id)
                 tokens.append(tok)
                 logps.append(lp)
                 lengths += alive
@@ -158,12 +157,12 @@ class HFEngine:
                     break
                 logits = step(tok, next_pos)
                 next_pos += 1
-        routes = None if record is None else moe.sampled_routes(record.forwards(), [len(p) for p in prompts], n,
+        routes = None if record is None else moe.sampled_routes(record.forwards(), [len(p.ids) for p in prompts], n,
                                                                 lengths.tolist())
-        return self._completions(rows, n, tokens, logps, lengths.tolist(), (~alive & ~capped).tolist(), texts,
+        return self._completions(prompts, n, tokens, logps, lengths.tolist(), (~alive & ~capped).tolist(), texts,
                                  routes)
 
-    def _prefill(self, prompts: list[list[int]], n: int, most: int, images: list[Images | None] | None = None):
+    def _prefill(self, prompts: list[ModelPrompt], n: int, most: int):
         """Each prompt once (a group's n rows share it), with its images' tensors; the first logits of every row, the
         rows' next positions, and the decode step `(tokens, positions) -> logits` for up to `most` tokens a row: the
         model's forward on the prefill's cache copied out to every row, or, where `shared_prompt.shares`, the prompt
@@ -174,11 +173,11 @@ class HFEngine:
         position plus the prompt's delta, which the model takes in all three sections."""
         from transformers import DynamicCache
 
-        ids, attn = self._left_padded(prompts)
+        ids, attn = self._left_padded([list(p.ids) for p in prompts])
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         pixels = {k: v.to(self.device) for k, v in
-                  batch_images([im for im in images or () if im is not None]).items()}
+                  batch_images([p.images for p in prompts if p.images is not None]).items()}
         rope = rope_positions(self.model, ids, attn, pixels)
         next_pos = (pos[:, -1] + 1 + (0 if rope is None else rope[1])).repeat_interleave(n)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos if rope is None else rope[0],
@@ -214,21 +213,23 @@ class HFEngine:
             attn[i, plen - len(p):] = 1
         return ids.to(self.device), attn.to(self.device)
 
-    def _completions(self, rows: list[list[int]], n: int, tokens: list[torch.Tensor], logps: list[torch.Tensor],
+    def _completions(self, prompts: list[ModelPrompt], n: int, tokens: list[torch.Tensor], logps: list[torch.Tensor],
                      lengths: list[int], finished: list[bool], texts: list[str | None],
                      routes: list[torch.Tensor] | None = None) -> list[Completion]:
-        """One Completion per row from the decode loop's per-step tokens and logprobs, cut to each row's length."""
-        tok_mat = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in rows]
-        lp_mat = torch.stack(logps, 1).tolist() if logps else [[] for _ in rows]
+        """One Completion per row (`n` a prompt, each holding its prompt's images) from the decode loop's per-step
+        tokens and logprobs, cut to each row's length."""
+        rows = len(prompts) * n
+        tok_mat = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in range(rows)]
+        lp_mat = torch.stack(logps, 1).tolist() if logps else [[] for _ in range(rows)]
         results = []
-        for i, row in enumerate(rows):
-            L = lengths[i]
+        for i in range(rows):
+            L, prompt = lengths[i], prompts[i // n]
             cids = tok_mat[i][:L]
             text = texts[i] if texts[i] is not None else self.tokenizer.decode(cids, skip_special_tokens=True)
             results.append(Completion(
-                prompt_ids=list(row), completion_ids=cids, logprobs=lp_mat[i][:L], text=text,
+                prompt_ids=list(prompt.ids), completion_ids=cids, logprobs=lp_mat[i][:L], text=text,
                 finish_reason="stop" if finished[i] else "length", prompt_index=i // n,
-                routes=None if routes is None else routes[i],
+                routes=None if routes is None else routes[i], images=prompt.images,
             ))
         return results
 

@@ -2,43 +2,14 @@
 new weights load between steps, and every token records the policy version that sampled it."""
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Hashable
 
 import torch
 
 from tandem.architectures import profile_of
 from tandem.rollout.base import Sampling
-from tandem.rollout.hf import HFEngine, _draw, uniforms
-
-
-@dataclass
-class Request:
-    """One completion being sampled: its prompt, limit and seed, and the tokens so far with each one's logprob and
-    policy version. A request begun again (`restarts`: dropped as too stale) draws from a seed of its own."""
-
-    key: Hashable
-    prompt_ids: list[int]
-    max_new_tokens: int
-    seed: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    restarts: int = 0
-
-    @property
-    def prefix(self) -> list[int]:
-        return self.prompt_ids + self.tokens
-
-
-@dataclass
-class Finished:
-    """A request that stopped: at a stop token or string (`stop`) or at its limit (`length`); its text."""
-
-    request: Request
-    finish_reason: str
-    text: str
+from tandem.rollout.hf.engine import HFEngine, draw, uniforms
+from tandem.rollout.requests import Finished, Request, StreamRequests
 
 
 FILL_PADDING = 1.25  # SlotDecoder.fill: the most padded positions a prefill batch may run per real one
@@ -157,41 +128,6 @@ class SlotDecoder:
                           past_key_values=self.cache, use_cache=True).logits[:, -1]
 
 
-class StreamRequests:
-    """What every engine's streaming session keeps: the requests waiting for a slot and those running, by key.
-    `admitting = False` holds new requests back (the sampler drains before a weight load that must not land
-    mid-sequence)."""
-
-    def __init__(self) -> None:
-        self.waiting: deque[Request] = deque()
-        self.running: dict[Hashable, Request] = {}
-        self.admitting = True
-
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
-
-    @property
-    def in_flight(self) -> int:
-        """Requests running or waiting for a slot."""
-        return len(self.running) + len(self.waiting)
-
-    def requests(self) -> list[Request]:
-        return list(self.running.values()) + list(self.waiting)
-
-    def _unqueue(self, key: Hashable) -> None:
-        """`key` out of the requests waiting, if it is there."""
-        self.waiting = deque(r for r in self.waiting if r.key != key)
-
-    def _admit(self, slots: int) -> list[Request]:
-        """Waiting requests moved to running, oldest first, while `admitting` and fewer than `slots` run."""
-        new = []
-        while self.admitting and self.waiting and len(self.running) < slots:
-            r = self.waiting.popleft()
-            self.running[r.key] = r
-            new.append(r)
-        return new
-
-
 class HFStream(StreamRequests):
     """The hf engine's continuous batching: up to `slots` requests decode together, one token each per `step`; a
     request joins at the next step after `add` (its prefix prefilled into a free slot) and leaves when it stops.
@@ -207,7 +143,7 @@ class HFStream(StreamRequests):
                              f"layer, not this {engine.model.config.model_type!r}; use placement.schedule: async")
         self.engine, self.sampling = engine, sampling
         self.decoder = SlotDecoder(engine.model, slots)
-        self.draws: dict[Hashable, list[float]] = {}  # each running request's uniforms, one per token (`_draw`)
+        self.draws: dict[Hashable, list[float]] = {}  # each running request's uniforms, one per token (`draw`)
         self.logits: torch.Tensor | None = None  # [rows, V]: each running row's next-token logits, in slot order
         stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(engine.eos_ids))
         self.stop_ids = stops
@@ -244,7 +180,7 @@ class HFStream(StreamRequests):
         if self.sampling.temperature > 0:
             u = torch.tensor([self.draws[k][len(self.running[k].tokens)] for k in keys], dtype=torch.float64,
                              device=self.logits.device)
-        tok, lp = _draw(self.logits.float(), self.sampling, u)
+        tok, lp = draw(self.logits.float(), self.sampling, u)
         done: list[Finished] = []
         for key, t, logp in zip(keys, tok.tolist(), lp.tolist()):
             r = self.running[key]
