@@ -68,9 +68,52 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
     return f
 
 
+def frozen_vision(vision: dict[str, torch.nn.Parameter], freeze: bool) -> frozenset[str]:
+    """A vision-language model's vision side (`ModelProfile.vision_side`, by name), frozen when `freeze`
+    (model.freeze_vision): the names of its weights that do not train, which a weight sync sends once."""
+    for p in vision.values() if freeze else ():
+        p.requires_grad_(False)
+    return frozenset(n for n, p in vision.items() if not p.requires_grad)
+
+
+def adamw(params: list[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over `params`, fused where it can be: one kernel over all parameters instead of ~10 Python-dispatched
+    ops per tensor (CPU and CUDA); it takes FSDP's DTensor parameters as well (their local shards are what it
+    updates)."""
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                             weight_decay=optim.weight_decay, fused=fused or None)
+
+
 class Policy:
     """Owns the trainable model, its optimizer and schedule, the reference model when KL is on, and the teacher when
-    algo.distill names one."""
+    algo.distill names one.
+
+    `mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping);
+    `expert_parallel`: EP groups of that many dp ranks share each MoE layer's experts (`parallel.parallelize`).
+
+    With a mesh, each dp rank trains on its own rows of every mini-batch (tp peers get the same rows), the
+    normalizers and the stats are reduced over dp, and gradients are summed over dp, so the update equals the
+    single-process update of the whole mini-batch.
+
+    `old_logprobs`: where the ratio's old-policy logprobs come from (`Config.old_logprobs` decides it for a run).
+    RECOMPUTED, a forward before the update, is right for any batch; CURRENT spares that forward for one update on
+    fresh samples; SAMPLER takes the sampler's logprobs as the behaviour policy (stale samples, asynchronous
+    sampling without TIS). With `algo.tis_cap` the truncated importance weight pi_old / pi_sampler corrects for
+    what lies between sampler and old policy (decoupled PPO).
+
+    `lora` (enabled): only adapters train (PEFT; `seed` initializes them); the reference is the same model with
+    its adapters switched off, so no second copy is loaded.
+
+    `teacher_on_workers` (placement.teacher_workers): the distillation teacher runs on workers of its own, and its
+    logprobs arrive with the samples (`Completion.teacher_logprobs`); none is loaded here.
+
+    `model_profile`: the policy's profile (tandem.architectures; resolved from `model_path` when not given).
+
+    `freeze_vision` (model.freeze_vision): a vision-language model's vision side (`ModelProfile.vision_side`) gets
+    no gradients and no optimizer state. `frozen` names its weights wherever it does not train (frozen, or under
+    LoRA, which adapts the language model only): weights that never change, which a weight sync sends once.
+    """
 
     def __init__(self, model_path: str, dtype: str, trust_remote_code: bool, algo: AlgoConfig, optim: OptimConfig,
                  total_optimizer_steps: int, temperature: float, max_completion_tokens: int, mesh=None,
@@ -78,31 +121,6 @@ class Policy:
                  lora: LoraConfig | None = None, seed: int = 0, expert_parallel: int = 1,
                  teacher_on_workers: bool = False, freeze_vision: bool = True,
                  model_profile: ModelProfile | None = None):
-        """`mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping);
-        `expert_parallel`: EP groups of that many dp ranks share each MoE layer's experts (`parallel.parallelize`).
-
-        With a mesh, each dp rank trains on its own rows of every mini-batch (tp peers get the same rows), the
-        normalizers and the stats are reduced over dp, and gradients are summed over dp, so the update equals the
-        single-process update of the whole mini-batch.
-
-        `old_logprobs`: where the ratio's old-policy logprobs come from (`Config.old_logprobs` decides it for a run).
-        RECOMPUTED, a forward before the update, is right for any batch; CURRENT spares that forward for one update on
-        fresh samples; SAMPLER takes the sampler's logprobs as the behaviour policy (stale samples, asynchronous
-        sampling without TIS). With `algo.tis_cap` the truncated importance weight pi_old / pi_sampler corrects for
-        what lies between sampler and old policy (decoupled PPO).
-
-        `lora` (enabled): only adapters train (PEFT; `seed` initializes them); the reference is the same model with
-        its adapters switched off, so no second copy is loaded.
-
-        `teacher_on_workers` (placement.teacher_workers): the distillation teacher runs on workers of its own, and its
-        logprobs arrive with the samples (`Completion.teacher_logprobs`); none is loaded here.
-
-        `model_profile`: the policy's profile (tandem.architectures; resolved from `model_path` when not given).
-
-        `freeze_vision` (model.freeze_vision): a vision-language model's vision side (`ModelProfile.vision_side`) gets
-        no gradients and no optimizer state. `frozen` names its weights wherever it does not train (frozen, or under
-        LoRA, which adapts the language model only): weights that never change, which a weight sync sends once.
-        """
         from tandem.train.parallel import parallelize
 
         self.algo, self.optim_cfg = algo, optim
@@ -118,10 +136,7 @@ class Policy:
             from tandem.train import lora as lora_lib
 
             self.lora = lora_lib.wrap(self.model, lora, self.profile, seed)
-        vision = self.profile.vision_side(self.model)
-        for p in vision.values() if freeze_vision else ():
-            p.requires_grad_(False)
-        self.frozen = frozenset(n for n, p in vision.items() if not p.requires_grad)
+        self.frozen = frozen_vision(self.profile.vision_side(self.model), freeze_vision)
         if device is not None:
             self.model.to(device)
         self.model.train()
@@ -143,11 +158,7 @@ class Policy:
         for p in self._tensors("params") + self._tensors("ref") + self._tensors("teacher"):
             residency.ensure_resizable(p)  # offload frees storages in place; a memory-mapped one cannot be
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # fused: one kernel over all parameters instead of ~10 Python-dispatched ops per tensor (CPU and CUDA);
-        # it takes FSDP's DTensor parameters as well (their local shards are what it updates).
-        fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in self.params)
-        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                                           weight_decay=optim.weight_decay, fused=fused or None)
+        self.optimizer = adamw(self.params, optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_optimizer_steps))
         self.loss_spec = LossSpec.from_algo(algo)
         self.offloader = Offloader(self.device)

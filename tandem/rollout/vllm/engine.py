@@ -34,6 +34,21 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def _optional_kwargs(model_path: str, on_cpu: bool, max_lora_rank: int,
+                     mm_processor_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's settings only some engines take: the CPU build's custom ops for this model, LoRA's slots, and a
+    vision-language model's processor arguments."""
+    out: dict[str, Any] = {}
+    ops = cpu_custom_ops(model_path) if on_cpu else []
+    if ops:
+        out["compilation_config"] = {"custom_ops": ops}
+    if max_lora_rank:  # two slots: the adapter being replaced and its successor
+        out.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2)
+    if mm_processor_kwargs:
+        out["mm_processor_kwargs"] = dict(mm_processor_kwargs)
+    return out
+
+
 def _sizes(on_cpu: bool, kv_cache_bytes: int | None, max_num_seqs: int | None,
            max_num_batched_tokens: int | None) -> dict[str, Any]:
     """The engine arguments that tandem always sets, and the sizes it was given (None: vLLM's own default)."""
@@ -89,14 +104,8 @@ class VLLMEngine:
                       enable_prefix_caching=enable_prefix_caching, enable_sleep_mode=enable_sleep,
                       tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                       **_sizes(self.on_cpu, kv_cache_bytes, max_num_seqs, max_num_batched_tokens))
-        ops = cpu_custom_ops(self.model_path) if self.on_cpu else []
-        if ops:
-            kwargs["compilation_config"] = {"custom_ops": ops}
         self.max_lora_rank = lora_rank_for(lora_rank) if lora_rank else 0
-        if lora_rank:  # two slots: the adapter being replaced and its successor
-            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=2)
-        if mm_processor_kwargs:
-            kwargs["mm_processor_kwargs"] = dict(mm_processor_kwargs)
+        kwargs.update(_optional_kwargs(self.model_path, self.on_cpu, self.max_lora_rank, mm_processor_kwargs))
         # Inside a process group that exists already (colocated workers), vLLM adopts that world and builds its
         # groups over it collectively; closing must then leave the world alone (see `close`).
         self.adopted_world = world_initialized()

@@ -129,6 +129,56 @@ def checked_list(x):
     return x
 
 
+UNKNOWN = object()  # a tag the base decoder does not know: a subclass's `decode_other` decodes it
+
+
+def decode_scalar(tag, node):
+    """A value of a tag whose content holds no other node (numbers, dates, ranges, the two singletons); UNKNOWN
+    for any other tag."""
+    if tag == "x":
+        if not (type(node[1]) is float and type(node[2]) is float):
+            raise ProtocolError("complex")
+        return complex(node[1], node[2])
+    if tag == "Fr":
+        return importlib.import_module("fractions").Fraction(*checked_ints(node[1], node[2]))
+    if tag == "De":
+        if type(node[1]) is not str or len(node[1]) > 10000:
+            raise ProtocolError("decimal")
+        return importlib.import_module("decimal").Decimal(node[1])
+    if tag in ("td", "date", "dt", "tm"):
+        return decode_time(tag, node)
+    if tag == "rg":
+        return range(*checked_ints(*node[1:4]))
+    if tag == "NI":
+        return NotImplemented
+    if tag == "El":
+        return Ellipsis
+    return UNKNOWN
+
+
+def decode_time(tag, node):
+    """A timedelta, date, datetime or time, each field checked an int and a timezone's name a str."""
+    datetime = importlib.import_module("datetime")
+    if tag == "td":
+        return datetime.timedelta(*checked_ints(*node[1:4]))
+    if tag == "date":
+        return datetime.date(*checked_ints(*node[1:4]))
+    date = checked_ints(*node[1:4]) if tag == "dt" else ()
+    clock = node[4:] if tag == "dt" else node[1:]
+    h, mi, s, us, tz, fold = clock
+    checked_ints(h, mi, s, us, fold)
+    tzinfo = None
+    if tz is not None:
+        offset, name = tz
+        checked_ints(offset)
+        if type(name) is not str:
+            raise ProtocolError("tzname")
+        tzinfo = datetime.timezone(datetime.timedelta(microseconds=offset), name)
+    if tag == "dt":
+        return datetime.datetime(*date, h, mi, s, us, tzinfo, fold=fold)
+    return datetime.time(h, mi, s, us, tzinfo, fold=fold)
+
+
 class Codec:
     """Data to nodes and back (the module docstring's first two kinds), with the argument containers' copy-back;
     each side adds how its own objects and the other's references cross (`encode_other`, `decode_other`)."""
@@ -220,6 +270,19 @@ class Codec:
         if t is not tuple or not node or type(node[0]) is not str or depth > DEPTH:
             raise ProtocolError("malformed value")
         tag = node[0]
+        try:
+            out = self.decode_container(tag, node, refs, record, depth)
+            if out is UNKNOWN:
+                out = decode_scalar(tag, node)
+        except ProtocolError:
+            raise
+        except (IndexError, KeyError, TypeError, ValueError, OverflowError, ArithmeticError) as exc:
+            raise ProtocolError(f"malformed {tag!r}: {type(exc).__name__}") from None
+        return self.decode_other(node, refs, record, depth) if out is UNKNOWN else out
+
+    def decode_container(self, tag, node, refs, record, depth):
+        """A reference, or a container whose items are decoded in turn (`record` collects a call's argument
+        containers); UNKNOWN for any other tag."""
         dec = lambda x: self.decode(x, refs, record, depth + 1)  # noqa: E731
 
         def fill(out, items):
@@ -233,91 +296,50 @@ class Codec:
                 raise ProtocolError("odd pairs")
             return [(dec(flat[i]), dec(flat[i + 1])) for i in range(0, len(flat), 2)]
 
-        try:
-            if tag == "a":
-                (index,) = checked_ints(node[1])
-                return refs[index]
-            if tag == "l":
-                out, items = fill([], checked_list(node[1]))
-                out.extend(dec(x) for x in items)
-                return out
-            if tag == "t":
-                return tuple(dec(x) for x in checked_list(node[1]))
-            if tag == "s":
-                out, items = fill(set(), checked_list(node[1]))
-                out.update(dec(x) for x in items)
-                return out
-            if tag == "f":
-                return frozenset(dec(x) for x in checked_list(node[1]))
-            if tag in DICT_TAGS:
-                out, flat = fill(DICT_TAGS[tag](), node[1])
-                for k, x in pairs(flat):
-                    dict.__setitem__(out, k, x)
-                return out
-            if tag == "DD":
-                factory = None if node[1] is None else FACTORIES[node[1]]
-                out, flat = fill(collections.defaultdict(factory), node[2])
-                for k, x in pairs(flat):
-                    out[k] = x
-                return out
-            if tag == "dq":
-                maxlen = node[2]
-                if maxlen is not None:
-                    checked_ints(maxlen)
-                out, items = fill(collections.deque(maxlen=maxlen), checked_list(node[1]))
-                out.extend(dec(x) for x in items)
-                return out
-            if tag == "ba":
-                if type(node[1]) is not bytes:
-                    raise ProtocolError("bytearray")
-                return fill(bytearray(node[1]), None)[0]
-            if tag == "x":
-                if not (type(node[1]) is float and type(node[2]) is float):
-                    raise ProtocolError("complex")
-                return complex(node[1], node[2])
-            if tag == "Fr":
-                return importlib.import_module("fractions").Fraction(*checked_ints(node[1], node[2]))
-            if tag == "De":
-                if type(node[1]) is not str or len(node[1]) > 10000:
-                    raise ProtocolError("decimal")
-                return importlib.import_module("decimal").Decimal(node[1])
-            datetime = importlib.import_module("datetime") if tag in ("td", "date", "dt", "tm") else None
-            if tag == "td":
-                return datetime.timedelta(*checked_ints(*node[1:4]))
-            if tag == "date":
-                return datetime.date(*checked_ints(*node[1:4]))
-            if tag in ("dt", "tm"):
-                date = checked_ints(*node[1:4]) if tag == "dt" else ()
-                clock = node[4:] if tag == "dt" else node[1:]
-                h, mi, s, us, tz, fold = clock
-                checked_ints(h, mi, s, us, fold)
-                tzinfo = None
-                if tz is not None:
-                    offset, name = tz
-                    checked_ints(offset)
-                    if type(name) is not str:
-                        raise ProtocolError("tzname")
-                    tzinfo = datetime.timezone(datetime.timedelta(microseconds=offset), name)
-                if tag == "dt":
-                    return datetime.datetime(*date, h, mi, s, us, tzinfo, fold=fold)
-                return datetime.time(h, mi, s, us, tzinfo, fold=fold)
-            if tag == "rg":
-                return range(*checked_ints(*node[1:4]))
-            if tag == "dk":
-                return dict.fromkeys(dec(x) for x in checked_list(node[1])).keys()
-            if tag == "dv":
-                return {i: dec(x) for i, x in enumerate(checked_list(node[1]))}.values()
-            if tag == "di":
-                return dict(pairs(node[1])).items()
-            if tag == "NI":
-                return NotImplemented
-            if tag == "El":
-                return Ellipsis
-        except ProtocolError:
-            raise
-        except (IndexError, KeyError, TypeError, ValueError, OverflowError, ArithmeticError) as exc:
-            raise ProtocolError(f"malformed {tag!r}: {type(exc).__name__}") from None
-        return self.decode_other(node, refs, record, depth)
+        if tag == "a":
+            (index,) = checked_ints(node[1])
+            return refs[index]
+        if tag == "l":
+            out, items = fill([], checked_list(node[1]))
+            out.extend(dec(x) for x in items)
+            return out
+        if tag == "t":
+            return tuple(dec(x) for x in checked_list(node[1]))
+        if tag == "s":
+            out, items = fill(set(), checked_list(node[1]))
+            out.update(dec(x) for x in items)
+            return out
+        if tag == "f":
+            return frozenset(dec(x) for x in checked_list(node[1]))
+        if tag in DICT_TAGS:
+            out, flat = fill(DICT_TAGS[tag](), node[1])
+            for k, x in pairs(flat):
+                dict.__setitem__(out, k, x)
+            return out
+        if tag == "DD":
+            factory = None if node[1] is None else FACTORIES[node[1]]
+            out, flat = fill(collections.defaultdict(factory), node[2])
+            for k, x in pairs(flat):
+                out[k] = x
+            return out
+        if tag == "dq":
+            maxlen = node[2]
+            if maxlen is not None:
+                checked_ints(maxlen)
+            out, items = fill(collections.deque(maxlen=maxlen), checked_list(node[1]))
+            out.extend(dec(x) for x in items)
+            return out
+        if tag == "ba":
+            if type(node[1]) is not bytes:
+                raise ProtocolError("bytearray")
+            return fill(bytearray(node[1]), None)[0]
+        if tag == "dk":
+            return dict.fromkeys(dec(x) for x in checked_list(node[1])).keys()
+        if tag == "dv":
+            return {i: dec(x) for i, x in enumerate(checked_list(node[1]))}.values()
+        if tag == "di":
+            return dict(pairs(node[1])).items()
+        return UNKNOWN
 
     def apply_copyback(self, register, contents):
         """Update the call's argument containers (and objects of the tests') in place from the contents the other
