@@ -323,7 +323,7 @@ def start_run(cfg: Config, resume: bool | Start = False, *, claim_output_dir: bo
                               step_budget_s=pool.step_budget_s, max_error_rate=pool.max_error_rate,
                               builders=_builders(cfg))
         undo.callback(scorer.close)  # its worker processes started early, to warm up while the models load
-        workers = placement.build(cfg)
+        workers = placement.build(cfg, model)
         undo.callback(workers.shutdown)
         _attach_rewards(scorer, workers)
         stream = PromptStream(train_prompts, cfg.run.seed)

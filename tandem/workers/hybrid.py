@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from tandem.architectures import ModelProfile
 from tandem.config import Config
 from tandem.rollout import ModelPrompt, Rollout, Samples, Sampling, make_engine
 from tandem.rollout.manifest import differing, digest
@@ -34,13 +35,16 @@ class HybridWorker:
     are metrics (`memory/<phase>_bytes`).
     """
 
-    def __init__(self, cfg: Config, ctx: WorkerContext | None = None, shm_ident: str = ""):
-        """`shm_ident`: the run's prefix for a tensor-parallel vLLM engine's shared memory (see placement.build).
+    def __init__(self, cfg: Config, ctx: WorkerContext | None = None, shm_ident: str = "", *,
+                 model: ModelProfile | None = None):
+        """`model`: the policy's profile, resolved once for the run (from the config when not given, as
+        `TrainWorker`). `shm_ident`: the run's prefix for a tensor-parallel vLLM engine's shared memory (see
+        placement.build).
 
         Every rank builds its engine here, at the same point: a vLLM engine adopts the workers' process group and
         creates its own groups over it collectively. With rollout.tensor_parallel T, workers r..r+T-1 (r a
         multiple of T) form one engine: each makes the same generate calls, and only the first reports them."""
-        self.trainer = TrainWorker(cfg, ctx)
+        self.trainer = TrainWorker(cfg, ctx, model=model)
         self.cfg, self.ctx = cfg, self.trainer.ctx
         name, kwargs = engine_args(cfg, self.trainer.profile, self.ctx.device)
         self.engine_tp = cfg.rollout.tensor_parallel if self.ctx.size > 1 else 1

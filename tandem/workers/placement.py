@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from tandem.architectures import ModelProfile
 from tandem.config import Config, ConfigError
 from tandem.rollout import ModelPrompt, Rollout, Samples, Sampling
 from tandem.workers.balance import balance
@@ -170,11 +171,12 @@ class Placement:
             remove_segments(self.leftovers)
 
 
-def build(cfg: Config) -> Placement:
-    """Start the workers the config asks for and connect the weight path between them."""
+def build(cfg: Config, model: ModelProfile) -> Placement:
+    """Start the workers the config asks for and connect the weight path between them; `model`: the policy's
+    profile, which every worker is given (resolved once for the run)."""
     pl = cfg.placement
     if pl.backend == "local":
-        group = LocalWorkerGroup(functools.partial(HybridWorker, cfg), 1)
+        group = LocalWorkerGroup(functools.partial(HybridWorker, cfg, model=model), 1)
         return Placement(group, group, split=False, groups=[group])
     from tandem.workers.ray.group import GroupSpec, start_groups
 
@@ -183,7 +185,7 @@ def build(cfg: Config) -> Placement:
         # vLLM names a TP engine's shared memory after this (the same on every rank, unique to the run): a killed
         # run's leftovers then never collide with the next start
         shm_ident = f"tandem-{uuid.uuid4().hex[:12]}"
-        worker = functools.partial(HybridWorker, cfg, shm_ident=shm_ident)
+        worker = functools.partial(HybridWorker, cfg, shm_ident=shm_ident, model=model)
         owners, models = _model_specs(cfg)
         group, *extra = start_groups([GroupSpec("hybrid", worker, pl.workers, **res, resources=pl.train_resources,
                                                 resources_from="placement.train_resources"), *models],
@@ -202,10 +204,11 @@ def build(cfg: Config) -> Placement:
     # make); weights reach them over a channel of their own, for every engine alike.
     owners, models = _model_specs(cfg)
     trainers, samplers, *extra = start_groups(
-        [GroupSpec("trainers", functools.partial(TrainWorker, cfg), pl.train_workers, **res,
+        [GroupSpec("trainers", functools.partial(TrainWorker, cfg, model=model), pl.train_workers, **res,
                    resources=pl.train_resources, resources_from="placement.train_resources"),
-         GroupSpec("samplers", functools.partial(RolloutWorker, cfg), pl.rollout_workers, **res, join_world=False,
-                   resources=pl.rollout_resources, resources_from="placement.rollout_resources"), *models],
+         GroupSpec("samplers", functools.partial(RolloutWorker, cfg, model=model), pl.rollout_workers, **res,
+                   join_world=False, resources=pl.rollout_resources, resources_from="placement.rollout_resources"),
+         *models],
         address=pl.ray_address or None, call_timeout_s=pl.call_timeout_s or None)
     placement = Placement(trainers, samplers, split=True, groups=[trainers, samplers, *extra])
     try:

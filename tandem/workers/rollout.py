@@ -76,9 +76,11 @@ class RolloutWorker:
     the next `generate` loads them first. So under asynchronous sampling only that load stops generation.
     """
 
-    def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
+    def __init__(self, cfg: Config, ctx: WorkerContext | None = None, *, model: ModelProfile | None = None):
+        """`model`: the policy's profile, resolved once for the run (`tandem.run.preflight`); a worker built alone
+        (a test's) resolves it from the config."""
         self.cfg, self.ctx = cfg, ctx or WorkerContext()
-        self.profile = profile(cfg.model.path)  # once per worker process: workers are built from the config alone
+        self.profile = model or profile(cfg.model.path)
         name, kwargs = engine_args(cfg, self.profile, self.ctx.device)
         if name == "vllm_server" and not kwargs.get("base_url"):
             # its output beside the run's (a server that fails says why only there), and cores of its own

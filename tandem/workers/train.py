@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tandem.config import Config
-from tandem.architectures import profile
+from tandem.architectures import ModelProfile, profile
 from tandem.modeling import load_processor, load_tokenizer
 from tandem.rollout import Samples
 from tandem.sync.convert import ToCheckpoint
@@ -44,10 +44,12 @@ class TrainWorker:
     single-process one (the policy sums them over dp).
     """
 
-    def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
+    def __init__(self, cfg: Config, ctx: WorkerContext | None = None, *, model: ModelProfile | None = None):
+        """`model`: the policy's profile, resolved once for the run (`tandem.run.preflight`); a worker built alone
+        (a test's) resolves it from the config."""
         self.cfg, self.ctx = cfg, ctx or WorkerContext()
         m, tp = cfg.model, cfg.placement.tensor_parallel
-        self.profile = profile(m.path)  # once per worker process: workers are built from the config alone
+        self.profile = model or profile(cfg.model.path)
         self.tokenizer = load_tokenizer(m.path, m.trust_remote_code)
         # what a checkpoint holds beside the weights: a vision-language model's processor (its image processor and
         # tokenizer), else the tokenizer
