@@ -162,7 +162,7 @@ def test_router_replay_on_a_dense_model_is_refused_before_models_load(tiny_model
     from tandem.run.preflight import check_supported
     from tandem.cli import main
 
-    monkeypatch.setattr(trainer.placement, "build", lambda cfg: pytest.fail("models loaded before the refusal"))
+    monkeypatch.setattr(trainer.placement, "build", lambda cfg, model: pytest.fail("models loaded before the refusal"))
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"model:\n  path: {tiny_model}\nrun:\n  output_dir: {tmp_path / 'out'}\n")
     assert main(["train", str(cfg), "algo.router_replay=true"]) == 2
@@ -206,7 +206,7 @@ def test_a_placement_the_devices_cannot_run_is_refused_before_models_load(tiny_m
     from tandem.cli import main
     from tandem.workers import placement
 
-    def build(cfg):
+    def build(cfg, model):
         raise AssertionError("models loaded: the devices should have been refused first")
 
     monkeypatch.setattr(trainer.placement, "build", build)

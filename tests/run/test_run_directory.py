@@ -53,7 +53,7 @@ def config_file(model: Path, out: Path, folder: Path, **run) -> Path:
 @pytest.fixture
 def no_models(monkeypatch):
     """Fail the test if the run gets as far as starting workers (loading models)."""
-    def build(cfg):
+    def build(cfg, model):
         raise AssertionError("models loaded: the run directory should have been refused first")
 
     monkeypatch.setattr(trainer.placement, "build", build)

@@ -177,8 +177,8 @@ def test_split_run_across_two_nodes_trains_then_stops_when_the_sampler_node_dies
     build, save, free_address = placement.build, placement.Placement.save, RayWorkerGroup.free_address
     group_shutdown = RayWorkerGroup.shutdown
 
-    def build_and_record(c):
-        built = build(c)
+    def build_and_record(c, model):
+        built = build(c, model)
         for g in built.groups:
             seen[g.name] = ray.get([actor.__ray_call__.remote(
                 lambda _: (ray.get_runtime_context().get_node_id(), os.getpid())) for actor in g.actors])

@@ -141,8 +141,8 @@ def _actor_pids_by_group(monkeypatch) -> dict[str, list[int]]:
     pids: dict[str, list[int]] = {}
     build = placement.build
 
-    def build_and_record(cfg):
-        built = build(cfg)
+    def build_and_record(cfg, model):
+        built = build(cfg, model)
         for g in built.groups:
             pids[g.name] = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in g.actors])
         return built

@@ -242,7 +242,7 @@ def test_killed_vllm_worker_stops_the_run_and_leaves_nothing(session, vllm_model
 
     built = []
     build = placement.build
-    monkeypatch.setattr(placement, "build", lambda cfg: built.append(build(cfg)) or built[-1])
+    monkeypatch.setattr(placement, "build", lambda cfg, model: built.append(build(cfg, model)) or built[-1])
     pids = _actor_pids_by_group(monkeypatch)
     cfg = small_config(vllm_model, tmp_path, "run.steps=200", "run.keep_checkpoints=1", "placement.workers=2",
                        *VLLM, "rollout.tensor_parallel=2")
