@@ -198,8 +198,8 @@ def check_train(work: Path) -> str:
 
     devices, build = {}, placement.build
 
-    def spying_build(c):  # the one worker of the local backend, to read where its tensors live
-        p = build(c)
+    def spying_build(c, model):  # the one worker of the local backend, to read where its tensors live
+        p = build(c, model)
         w = p.groups[0].workers[0]
         devices.update(policy=w.policy.device.type, ref=next(w.policy.ref.parameters()).device.type,
                        engine=w.engine.device.type)
