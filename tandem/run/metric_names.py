@@ -7,6 +7,16 @@ from dataclasses import dataclass
 
 EVERY_RUN = "every run"
 
+# What measures the machine rather than the run: wall times, throughputs and memory. The rest of a row is the same
+# for the same config and seed on the same machine (docs/architecture.md), which resume tests and
+# scripts/same_metrics.py compare.
+MACHINE_MEASURED = ("time/", "tokens_per_s", "rollout/tokens_per_s", "memory/")
+
+
+def without_machine(rows: list[dict]) -> list[dict]:
+    """Metrics rows without their `MACHINE_MEASURED` keys: what two runs of the same config must log alike."""
+    return [{k: v for k, v in r.items() if not k.startswith(MACHINE_MEASURED)} for r in rows]
+
 
 @dataclass(frozen=True)
 class Metric:

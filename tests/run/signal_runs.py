@@ -13,7 +13,6 @@ from pathlib import Path
 
 import yaml
 
-TIMING = ("time/", "tokens_per_s", "rollout/tokens_per_s", "memory/")
 HERE = Path(__file__).resolve().parent
 
 # Python keeps SIGINT ignored when it starts with it ignored (a test run from a background job): put back the
@@ -179,10 +178,6 @@ def checkpoint_steps(out: Path) -> list[int]:
     from tandem.run import checkpoint
 
     return [step for step, _ in checkpoint.checkpoints(out / "checkpoints")]
-
-
-def without_timing(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
 def text_length_pausing(completion: str, prompt: str, row, *, gate: str, marker: str, seconds: float, **_) -> float:
