@@ -28,14 +28,14 @@ def save_tiny_model(folder: Path, hidden: int = 32, layers: int = 1, seed: int =
                     chat_template: str | None = None) -> Path:
     """A randomly initialised tiny Qwen2 with the demo's tokenizer, saved as a Hugging Face folder."""
     from tandem.data import arithmetic
-    from tandem.demo import DemoModelSpec, build_model, build_tokenizer
+    from tandem.demo import DemoModelSpec, build_tokenizer
 
     tok = build_tokenizer(arithmetic.corpus(), 300)
     if chat_template:
         tok.chat_template = chat_template
     spec = DemoModelSpec(hidden_size=hidden, layers=layers, heads=4, kv_heads=2, intermediate_size=2 * hidden,
                          seed=seed)
-    model = build_model(spec, tok)
+    model = spec.build(tok)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)

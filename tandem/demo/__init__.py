@@ -7,7 +7,7 @@ model, warm-started on sums); `common` (the shape, tokenizer, loss and cache the
 from tandem.demo.arithmetic import (DEMO_DEFAULTS, DemoModelSpec, arithmetic_model, greedy_answers,  # noqa: F401
                                     sampled_agreement, sampled_answers, teacher_answer, warm_start)
 from tandem.demo.catalog import DEMO_MODELS, DEMO_REWARD_MODELS, demo_model  # noqa: F401
-from tandem.demo.common import (EOS, PAD, DemoShape, build_model, build_tokenizer, cache_root,  # noqa: F401
+from tandem.demo.common import (EOS, PAD, DemoShape, build_tokenizer, cache_root,  # noqa: F401
                                 cached_model, masked_nll)
 from tandem.demo.families import HybridDemoSpec, MoEDemoSpec  # noqa: F401
 from tandem.demo.qwen_vision import QWEN_VISION_TEMPLATE, QWEN_VISION_TOKENS, build_qwen_vision  # noqa: F401

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from tandem.data import arithmetic
-from tandem.demo.common import DemoShape, build_model, build_tokenizer, cached_model, log, masked_nll
+from tandem.demo.common import DemoShape, build_tokenizer, cached_model, log, masked_nll
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def arithmetic_model(spec: DemoModelSpec = DemoModelSpec(), root: Path | None = 
     built on first use (about a minute) and cached."""
     def build():
         tokenizer = build_tokenizer(arithmetic.corpus(), spec.vocab_size)
-        model = build_model(spec, tokenizer)
+        model = spec.build(tokenizer)
         acc, agree, sampled, steps = warm_start(model, tokenizer, spec)
         figures = {"warm_start_accuracy": acc, "teacher_agreement": agree, "warm_start_steps": steps}
         return model, tokenizer, figures | ({} if sampled is None else {"sampled_teacher_agreement": sampled})

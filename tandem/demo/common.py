@@ -45,11 +45,6 @@ class DemoShape:
         return Qwen2ForCausalLM(cfg)
 
 
-def build_model(spec: DemoShape, tokenizer):
-    """The untrained model `spec` describes (each spec builds its own architecture)."""
-    return spec.build(tokenizer)
-
-
 def build_tokenizer(texts: list[str], vocab_size: int):
     """A byte-level BPE trained on `texts`, digits always single tokens, saved as a PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tandem.data import arithmetic
-from tandem.demo.common import DemoShape, build_model, build_tokenizer, cached_model, log
+from tandem.demo.common import DemoShape, build_tokenizer, cached_model, log
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def reward_model(spec: RewardModelSpec = RewardModelSpec(), root: Path | None = 
     """Path of the demo's reward model folder (see RewardModelSpec), built on first use and cached."""
     def build():
         tokenizer = build_tokenizer(arithmetic.corpus(), spec.vocab_size)
-        model = build_model(spec, tokenizer)
+        model = spec.build(tokenizer)
         acc, steps = train_reward_model(model, tokenizer, spec)
         held = arithmetic.rows("test")
         by_kind = {k: pairwise_accuracy(model, tokenizer, held, spec.seed + 2, k) for k in WRONG_KINDS}

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tandem.data import multiply
-from tandem.demo.common import DemoShape, build_model, build_tokenizer, cached_model, log, masked_nll
+from tandem.demo.common import DemoShape, build_tokenizer, cached_model, log, masked_nll
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def tool_demo_model(spec: ToolDemoSpec = ToolDemoSpec(), root: Path | None = Non
     def build():
         tokenizer = build_tokenizer(multiply.corpus(), spec.vocab_size)
         add_tool_tokens(tokenizer)
-        model = build_model(spec, tokenizer)
+        model = spec.build(tokenizer)
         greedy, steps = tool_warm_start(model, tokenizer, spec)
         sampled = tool_figures(model, tokenizer, multiply.rows("test")[:300], 1.0, seed=spec.seed)
         return model, tokenizer, {"greedy": greedy, "temperature_1": sampled, "warm_start_steps": steps}

@@ -68,9 +68,9 @@ def test_the_warm_start_stops_on_its_samples_not_on_one_greedy_check(monkeypatch
         return [[r["answer"] if len(checks) > 2 else "x"] * n for r in rows]
 
     monkeypatch.setattr(warm, "sampled_answers", sampled)
-    assert demo.warm_start(demo.build_model(spec, tokenizer), tokenizer, spec) == (1.0, 1.0, 1.0, 75)
+    assert demo.warm_start(spec.build(tokenizer), tokenizer, spec) == (1.0, 1.0, 1.0, 75)
     assert checks == [(4, 1.0)] * 3
     checks.clear()
     alone = replace(spec, warm_target_sampled_agreement=0.0)  # greedy agreement alone: its first check stops it
-    assert demo.warm_start(demo.build_model(alone, tokenizer), tokenizer, alone) == (1.0, 1.0, None, 25)
+    assert demo.warm_start(alone.build(tokenizer), tokenizer, alone) == (1.0, 1.0, None, 25)
     assert checks == []

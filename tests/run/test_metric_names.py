@@ -31,7 +31,7 @@ def untrained(folder: Path, spec, corpus: list[str], tools: bool = False) -> Pat
     tokenizer = demo.build_tokenizer(corpus, spec.vocab_size)
     if tools:
         demo.add_tool_tokens(tokenizer)
-    model = demo.build_model(spec, tokenizer)
+    model = spec.build(tokenizer)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(folder, safe_serialization=True)
