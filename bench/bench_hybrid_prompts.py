@@ -48,7 +48,7 @@ def main() -> None:
     spec = demo.HybridDemoSpec()
     tokenizer = demo.build_tokenizer(arithmetic.corpus(), spec.vocab_size)
     folder = Path(tempfile.mkdtemp(prefix="bench-hybrid-")) / "qwen3_5"
-    demo.build_model(spec, tokenizer).save_pretrained(folder)
+    spec.build(tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     policy = Policy(str(folder), "float32", False, AlgoConfig(), OptimConfig(lr=1e-5), args.steps * 2, 1.0, 64)
     assert policy.share_prompts, "Qwen3.5 in one process: the prompt-once trainer applies"
