@@ -1,5 +1,5 @@
-"""Token logprobs of a micro-batch under a model: the full forward, the prompt-once layout, entropies, and the
-routing statistics of an MoE's forward. Pure functions of a model and tensors: no optimizer, no state kept."""
+"""Token logprobs of a micro-batch under a model: the full forward (padded or padding-free), the prompt-once layout,
+entropies, and the routing statistics of an MoE's forward. Pure functions of a model and tensors: no optimizer, no state kept."""
 from __future__ import annotations
 
 import contextlib
@@ -23,34 +23,63 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     instead of every row's full sequence: the same logprobs to float rounding, with the prompt's tokens computed once
     per group instead of once per completion. Two forwards per pass, so only where that is safe for the model's
     wrapping (not under FSDP, whose hooks expect one forward per backward).
+
+    Otherwise, where `mb.packed` is set, the padding-free forward: the rows end to end with no attention mask, each
+    row's positions restarting at 0 (transformers confines attention to a row from those), the LM head on the
+    positions that predict a completion token only; their logprobs are put in their [b, T] places (zeros elsewhere).
     """
     if share_prompts and mb.shared is not None:
         return _shared_prompt_logprobs(model, mb, temperature, with_entropy, entropy_grad)
+    if mb.packed is not None:
+        return _packed_logprobs(model, mb, temperature, with_entropy, entropy_grad)
     with _whole_rows(model, mb) as (input_ids, position_ids):
         out = model(input_ids=input_ids, attention_mask=mb.attention_mask, position_ids=position_ids,
                     use_cache=False, logits_to_keep=mb.width + 1, **mb.images)
     return _logprobs(out.logits[:, :-1, :], mb.targets, mb.mask, temperature, with_entropy, entropy_grad)
 
 
+def _packed_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
+    """`token_logprobs` on the padding-free layout (`mb.packed`): the K kept logits against their targets, scattered
+    into zeros [b, T] (differentiably: each kept logit's gradient comes back from its place)."""
+    p, (b, T) = mb.packed, mb.targets.shape
+    with _whole_rows(model, mb, packed=True) as (input_ids, position_ids):
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
+                    logits_to_keep=p.keep, **mb.images)
+    targets, mask = mb.targets.flatten()[p.at], mb.mask.flatten()[p.at]
+    logp, entropy = _logprobs(out.logits, targets[None], mask[None], temperature, with_entropy, entropy_grad)
+    put = lambda x: x.new_zeros(b * T).index_put((p.at,), x[0]).view(b, T)  # noqa: E731
+    return put(logp), None if entropy is None else put(entropy)
+
+
 @contextlib.contextmanager
-def _whole_rows(model, mb: MicroBatch):
-    """The ids and positions for a forward over whole rows (prompt and completion) with their images. A completion
+def _whole_rows(model, mb: MicroBatch, packed: bool = False):
+    """The ids and positions for a forward over whole rows (prompt and completion) with their images, left-padded or
+    with `packed` end to end (`mb.packed`). A completion
     may hold the image placeholder token (a model may sample it), which the sampler fed as a token (decoding feeds
     no pixels) and the model would take for one more image's place: it enters as another id, and its own embedding
     is put back in its place by a hook on the embedding layer (inside the model's forward, so FSDP has the weights
     gathered); the images fill only the prompt's placeholders. A 3-D rotary model (mRoPE: `rope_positions`) runs at
-    its own positions for the prompt, the completion continuing them as text. Yields (input_ids, position_ids)."""
+    its own positions for the prompt, the completion continuing them as text; they are computed on the padded layout
+    and, packed, taken at the real tokens (in order, as `mb.packed` lays them), behind the 1-D positions that tell
+    transformers where each row starts ([4, 1, N]). Yields (input_ids, position_ids)."""
     token = getattr(model.config, "image_token_id", None)
+    ids, positions = (mb.packed.ids, mb.packed.positions) if packed else (mb.input_ids, mb.position_ids)
     if not mb.images or token is None:
-        yield mb.input_ids, mb.position_ids
+        yield ids, positions
         return
     sampled = torch.zeros_like(mb.input_ids, dtype=torch.bool)
     if mb.width:  # a completion's columns are its targets' (their padding is pad_id, never an image token)
         sampled[:, -mb.width:] = mb.targets == token
     rope = rope_positions(model, mb.input_ids, mb.attention_mask, mb.images, sampled)
-    positions = mb.position_ids if rope is None else rope[0]
+    if packed:
+        real = mb.attention_mask.bool()
+        sampled = sampled[real].view(1, -1)
+        if rope is not None:
+            positions = torch.cat([positions[None], rope[0][:, real].unsqueeze(1).to(positions)])
+    elif rope is not None:
+        positions = rope[0]
     if not sampled.any():
-        yield mb.input_ids, positions
+        yield ids, positions
         return
 
     def put_back(module, args, out):
@@ -59,7 +88,7 @@ def _whole_rows(model, mb: MicroBatch):
 
     handle = model.get_input_embeddings().register_forward_hook(put_back)
     try:
-        yield mb.input_ids.masked_fill(sampled, 0 if token != 0 else 1), positions
+        yield ids.masked_fill(sampled, 0 if token != 0 else 1), positions
     finally:
         handle.remove()
 
