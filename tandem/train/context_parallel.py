@@ -1,5 +1,5 @@
 """Context parallel (Ulysses): a padding-free micro-batch's sequence split over the cp ranks, attention over the whole
-sequence by heads, and each rank's logprobs summed into the micro-batch's [rows, T] ones."""
+sequence by heads, and each rank's per-token results summed into the micro-batch's [rows, T] ones."""
 from __future__ import annotations
 
 import contextlib
@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tandem.algo import entropy_from_logprobs
 
 if TYPE_CHECKING:
-    from tandem.train.batch import MicroBatch, Packed
+    from tandem.train.batch import Packed
 
 # The attention implementation a context-parallel model runs with (`use`). No mask function is registered for it:
 # transformers builds no mask for an attention it has none for (masking_utils' `_preprocess_mask_arguments`), and
@@ -108,7 +107,7 @@ def _attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
     sequence = getattr(_local, "sequence", None)
     if sequence is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs inside a context-parallel forward only "
-                           "(tandem.train.context_parallel.token_logprobs)")
+                           "(tandem.train.context_parallel.forward)")
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("context parallel: attention logit soft-capping and attention sinks are not "
                                   "covered yet")
@@ -161,34 +160,19 @@ def split(p: Packed, rank: int, cp: int) -> Chunk:
                  segments)
 
 
-def token_logprobs(model, mb: MicroBatch, temperature: float, group: dist.ProcessGroup, with_entropy: bool = False,
-                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`tandem.train.logprobs.token_logprobs` of a padding-free micro-batch under context parallel: this rank runs
-    its chunk (`split`), attention reaching the other chunks (`_attend`), and scores the tokens its logits predict;
-    the [b, T] results are those summed over the group (each token scored by one rank), the same on every rank, so
-    the loss is too, and each rank's backward gives its chunk's part of the gradient (FSDP sums them)."""
-    if mb.packed is None:
-        raise RuntimeError("context parallel runs padding-free micro-batches (MicroBatch.packed): set "
-                           "batch.padding_free: true")
-    chunk = split(mb.packed, dist.get_rank(group), dist.get_world_size(group))
-    sequence = _Sequence(group, chunk.segments, {})
-    with _running(sequence):
-        logits = model(input_ids=chunk.ids, position_ids=chunk.positions, attention_mask=None, use_cache=False,
-                       logits_to_keep=chunk.keep).logits[0].float()  # [k, vocab]
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    targets = mb.targets.flatten()[chunk.at]
-    logp = _gathered(logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), chunk.at, mb, group)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = _gathered(entropy_from_logprobs(logp_all), chunk.at, mb, group)
-    return logp, entropy
+def forward(model, p: Packed, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of the padding-free forward of `p`: its chunk (`split`) run with attention reaching the
+    other chunks (`_attend`). Returns the logits it keeps [1, k, vocab] and where their tokens go (`Packed.at`'s):
+    `tandem.train.logprobs` scores them and sums the [b, T] results over the group (`summed`)."""
+    chunk = split(p, dist.get_rank(group), dist.get_world_size(group))
+    with _running(_Sequence(group, chunk.segments, {})):
+        out = model(input_ids=chunk.ids, position_ids=chunk.positions, attention_mask=None, use_cache=False,
+                    logits_to_keep=chunk.keep)
+    return out.logits, chunk.at
 
 
-def _gathered(values: torch.Tensor, at: torch.Tensor, mb: MicroBatch, group: dist.ProcessGroup) -> torch.Tensor:
-    """[b, T]: this rank's `values` at `at`, every other rank's summed in; 0 where the loss mask is (padding)."""
-    mine = values.new_zeros(mb.targets.numel()).index_put((at,), values).view_as(mb.targets)
-    whole = _SumOverRanks.apply(mine, group)
-    return torch.where(mb.mask > 0, whole, torch.zeros_like(whole))
+def summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over `group` of per-token tensors each rank filled at the tokens it scored (zeros elsewhere): the
+    whole micro-batch's, the same on every rank, so the loss is too; each rank's backward then gives its chunk's
+    part of the gradient (FSDP sums them)."""
+    return _SumOverRanks.apply(x, group)

@@ -199,23 +199,28 @@ def build_mesh(ctx_group_ranks: list[int], dp: int, tp: int, device_type: str, c
     return mesh
 
 
+# Each context-parallel mesh's flattened ("dp_cp",) mesh, by the mesh's id (the mesh is kept with it, so the id is
+# not reused): torch deprecates reaching a flattened dimension by slicing the root mesh, and asks callers to keep it.
+_FLATTENED: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
+
+
 def _flatten_dp_cp(mesh: DeviceMesh, group: dist.ProcessGroup) -> None:
-    """Register `group` (this rank's dp x cp ranks) as the mesh's flattened "dp_cp" dimension. torch's own
-    `_flatten` would make its groups over the whole world, which a split placement's samplers never join; this is
-    what it builds, over the locally synchronized group instead (FSDP with TP needs the dp mesh and the tp mesh to
-    come from one root mesh)."""
+    """Make `group` (this rank's dp x cp ranks) the mesh's flattened "dp_cp" dimension. torch's own `_flatten` would
+    make its groups over the whole world, which a split placement's samplers never join; this is what it builds,
+    over the locally synchronized group instead (FSDP with TP needs the dp mesh and the tp mesh to come from one
+    root mesh)."""
     from torch.distributed._mesh_layout import _MeshLayout
 
     flat = DeviceMesh(mesh.device_type, _layout=_MeshLayout([mesh["dp", "cp"]._layout.collapse()]),
                       _rank_map=mesh._rank_map, mesh_dim_names=("dp_cp",), _root_mesh=mesh, _init_backend=False)
     flat._dim_group_names = [group.group_name]
-    mesh._flatten_mapping["dp_cp"] = flat
+    _FLATTENED[id(mesh)] = (mesh, flat)
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """What FSDP shards over: the dp ranks, and with context parallel the dp x cp ranks (a cp group's ranks hold
     the same weights and each computes a part of their gradient, which FSDP's reduction sums in)."""
-    return mesh["dp_cp"] if mesh["cp"].size() > 1 else mesh["dp"]
+    return _FLATTENED[id(mesh)][1] if mesh["cp"].size() > 1 else mesh["dp"]
 
 
 def _check_tp(model: nn.Module, tp: int) -> None:

@@ -186,16 +186,12 @@ class Policy:
         return model
 
     def _logprobs(self, model, routing: "moe.Routing | None", mb: MicroBatch, replay: bool = False,
-                  logits: bool = False, share_prompts: bool = False, **kw
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, "moe.Record | None"]:
-        """`routed_logprobs` of `model` at the policy's temperature; under context parallel this rank's chunk of the
-        padding-free sequence, the results over the whole of it (a dense model's: an MoE is refused with it)."""
+                  logits: bool = False, **kw) -> tuple[torch.Tensor, torch.Tensor | None, "moe.Record | None"]:
+        """`routed_logprobs` of `model` at the policy's temperature; under context parallel, this rank's chunk of the
+        padding-free sequence and the results over the whole of it (dense models only: an MoE is refused with it)."""
         if self.cp_size > 1:
-            from tandem.train import context_parallel
-
-            group = self.mesh["cp"].get_group()
-            return (*context_parallel.token_logprobs(model, mb, self.temperature, group, **kw), None)
-        return routed_logprobs(model, routing, mb, self.temperature, replay, logits, share_prompts=share_prompts, **kw)
+            kw["context_group"] = self.mesh["cp"].get_group()
+        return routed_logprobs(model, routing, mb, self.temperature, replay, logits, **kw)
 
     def _watch_routers(self, algo: AlgoConfig) -> None:
         """An MoE's router hooks (`tandem.moe.Routing`) on the policy, the reference and the teacher, and the
