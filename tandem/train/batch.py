@@ -61,7 +61,7 @@ class Packed:
     ids: torch.Tensor  # [1, N] every row's prompt + completion, rows in the micro-batch's order
     positions: torch.Tensor  # [1, N] each row's own positions from 0
     keep: torch.Tensor  # [K] the positions of `ids` whose logits predict a completion token, ascending
-    at: torch.Tensor  # [K] where each kept logit's token goes in the [b, T] per-token tensors, flattened (row * T + col)
+    at: torch.Tensor  # [K] where each kept logit's token goes in the [b, T] per-token tensors, flat: row * T + col
     lengths: torch.Tensor  # [b] each row's length in `ids` (the segments, in order)
 
     def to(self, device: torch.device) -> "Packed":
