@@ -1,5 +1,6 @@
-"""Context parallel (Ulysses): a packed sequence's split, the attention over the whole sequence from chunks (GQA, sliding
-windows), and training under cp = 2 (dp 1, dp 2, with tp 2) equal to one process's, on the zoo's dense models."""
+"""Context parallel (Ulysses): a packed sequence's split, the attention over the whole sequence from chunks (GQA,
+sliding windows), and training under cp = 2 (dp 1, dp 2, with tp 2) equal to one process's, on the zoo's dense models.
+"""
 from __future__ import annotations
 
 import sys
