@@ -112,6 +112,11 @@ def test_every_refusal_fires_from_config_json_alone(tmp_path, monkeypatch):
         ({"model_type": "qwen3_moe", "num_experts": 6}, ray + ["placement.expert_parallel=4"],
          "placement.expert_parallel: 4 does not divide the model's num_experts=6"),
         ({"model_type": "deepseek_v3", "n_routed_experts": 4}, ["rollout.engine=vllm"], "scoring_func=None"),
+        ({"model_type": "qwen3_moe", "num_experts": 4}, ray + ["placement.context_parallel=2"],
+         "placement.context_parallel: 2, but model.path is Qwen3-MoE ('qwen3_moe'), which has experts"),
+        ({"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 2},
+         ray + ["placement.context_parallel=4"], "placement.context_parallel: 4 does not divide the model's 6 "
+         "attention heads per tensor-parallel rank"),
     ]
     if not torch.cuda.is_available():
         cases.append(({"model_type": "qwen3_5_text"}, ["rollout.engine=vllm"], "on a machine without a GPU"))
