@@ -233,9 +233,9 @@ def dtensor_cases(rank: int) -> dict[str, str]:
             named = dict(model.named_parameters())
             src = layout_from_dtensors(named)
             if case == "fsdp2_x_cp_x_tp_1x2x2":  # the planner's description of it: ZeRO over dp x cp after TP
-                rule = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
+                tp_dims = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
                 said = build_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, Mesh.of(cp=2, tp=2),
-                                    lambda n: Spec(tp_dim=rule.get(n), zero="dim0"))
+                                    {n: Spec(tp_dim=tp_dims.get(n), zero="dim0") for n in named}.__getitem__)
                 wrong = [(n, r) for n in full for r in range(4)  # every rank's, so all agree on skipping
                          if not torch.equal(local_tensor(said[n], r, full[n]), local_tensor(src[n], r, full[n]))]
                 if wrong:
