@@ -11,6 +11,7 @@ from transformers.cache_utils import LinearAttentionLayer
 from tandem import moe
 from tandem.algo import entropy_from_logprobs
 from tandem.modeling import rope_positions
+from tandem.train import varlen
 from tandem.train.batch import MicroBatch
 from tandem.train.stats import StepStats
 
@@ -26,8 +27,10 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     wrapping (not under FSDP, whose hooks expect one forward per backward).
 
     Otherwise, where `mb.packed` is set, the padding-free forward: the rows end to end with no attention mask, each
-    row's positions restarting at 0 (transformers confines attention to a row from those), the LM head on the
-    positions that predict a completion token only; their logprobs are put in their [b, T] places (zeros elsewhere).
+    row's positions restarting at 0, attention confined to each row (`varlen`: by rows where the model was given
+    its attention, `varlen.use`; else transformers' mask from the restarting positions, dense over the whole
+    sequence), the LM head on the positions that predict a completion token only; their logprobs are put in their
+    [b, T] places (zeros elsewhere).
     `packed` False: the padded forward even so (a model whose profile does not pack, scoring micro-batches laid out
     for one that does: a teacher of another architecture).
     """
@@ -45,7 +48,7 @@ def _packed_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bo
     """`token_logprobs` on the padding-free layout (`mb.packed`): the K kept logits against their targets, scattered
     into zeros [b, T] (differentiably: each kept logit's gradient comes back from its place)."""
     p, (b, T) = mb.packed, mb.targets.shape
-    with _whole_rows(model, mb, packed=True) as (input_ids, position_ids):
+    with _whole_rows(model, mb, packed=True) as (input_ids, position_ids), varlen.rows(p.lengths):
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
                     logits_to_keep=p.keep, **mb.images)
     targets, mask = mb.targets.flatten()[p.at], mb.mask.flatten()[p.at]

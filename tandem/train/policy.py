@@ -23,6 +23,7 @@ from tandem.algo import (
 from tandem.config import AlgoConfig, LoraConfig, OldLogprobs, OptimConfig
 from tandem.architectures import ModelProfile, profile
 from tandem.modeling import load_causal_lm
+from tandem.train import varlen
 from tandem.train.batch import MicroBatch, dummy_micro_batch
 from tandem.train.logprobs import forward_positions, route_stats, routed_logprobs
 from tandem.train.offload import Offloader
@@ -135,6 +136,8 @@ class Policy:
         self.profile = model_profile or profile(model_path)
         self.teacher_profile = profile(algo.distill.teacher) if algo.distill.teacher else None
         self.model = load_causal_lm(model_path, dtype, trust_remote_code)
+        if padding_free:
+            varlen.use(self.model, self.profile)
         self.lora = None  # the PeftModel around self.model when adapters train (self.model's layers are its)
         if lora is not None and lora.enabled:
             from tandem.train import lora as lora_lib
@@ -177,6 +180,8 @@ class Policy:
         from tandem.train.parallel import parallelize
 
         model = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
+        if self.padding_free or self.teacher_packs:  # where it runs padding-free (`token_logprobs`' packed)
+            varlen.use(model, model_profile)
         if device is not None:
             model.to(device)
         parallelize(model, self.mesh, model_profile, self.expert_parallel)

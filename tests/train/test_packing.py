@@ -16,6 +16,7 @@ from tandem.architectures import SUPPORT, profile  # noqa: E402
 from tandem.modeling import load_causal_lm  # noqa: E402
 from tandem.samples import Completion, Samples  # noqa: E402
 from tandem.train.batch import collate, dummy_micro_batch, make_micro_batches, pack, prompt_once_pays  # noqa: E402
+from tandem.train import varlen  # noqa: E402
 from tandem.train.logprobs import token_logprobs  # noqa: E402
 
 # fp32: packed and padded sum the same terms in other orders (other matrix shapes), so they agree to float rounding
@@ -80,6 +81,9 @@ def test_every_zoo_architecture_packs_or_its_profile_says_why(arch, tmp_path):
     prof = profile(path)
     assert prof.packs == (not SUPPORT[arch].no_packing)
     model = load_causal_lm(str(path)).train()
+    varlen.use(model, prof)  # as the trainer runs it: attention by rows packed, sdpa padded
+    language = model.get_submodule(prof.language_model)
+    assert (language.config._attn_implementation == varlen.ATTENTION) == prof.packs
     comps = _completions()
     mb = collate(comps, list(range(len(comps))), 0, packed=True)
     padded = _run(model, mb, packed=False)
@@ -95,17 +99,25 @@ def test_every_zoo_architecture_packs_or_its_profile_says_why(arch, tmp_path):
         assert (g - packed[2][name]).abs().max() < GRAD_TOL * max(1.0, float(g.abs().max())), name
 
 
-def test_a_row_that_sees_its_neighbour_is_caught(tmp_path):
-    """The equality above detects cross-row attention: the same packed ids with positions that do not restart (one
-    long sequence: every row attends to the rows before it) move the logprobs of every row but the first by more
-    than 1e-3; restarting, they match the padded layout's within LOGPROB_TOL."""
-    model = load_causal_lm(str(zoo_models.build(tmp_path / "llama", "llama")))
+@pytest.mark.parametrize("by_rows", [True, False])
+def test_a_row_that_sees_its_neighbour_is_caught(tmp_path, by_rows):
+    """The equality above detects cross-row attention: the same packed ids as one long sequence (every row attends
+    to the rows before it) move the logprobs of every row but the first by more than 1e-3; as rows, they match the
+    padded layout's within LOGPROB_TOL. `by_rows`: attention by rows (`varlen.use`), told one row of them all;
+    else transformers' dense mask, told by positions that do not restart."""
+    path = zoo_models.build(tmp_path / "llama", "llama")
+    model = load_causal_lm(str(path))
+    if by_rows:
+        varlen.use(model, profile(path))
     comps = _completions()
     mb = collate(comps, list(range(len(comps))), 0, packed=True)
     with torch.no_grad():
         padded = token_logprobs(model, mb, 1.0, packed=False)[0]
         assert ((token_logprobs(model, mb, 1.0)[0] - padded).abs() * mb.mask).max() < LOGPROB_TOL
-        mb.packed.positions = torch.arange(mb.packed.ids.shape[1]).view(1, -1)
+        if by_rows:
+            mb.packed.lengths = mb.packed.lengths.sum().view(1)
+        else:
+            mb.packed.positions = torch.arange(mb.packed.ids.shape[1]).view(1, -1)
         leaked = token_logprobs(model, mb, 1.0)[0]
     per_row = ((leaked - padded).abs() * mb.mask).amax(dim=1)
     assert per_row[0] < LOGPROB_TOL  # the first row has no row before it
