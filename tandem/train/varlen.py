@@ -80,7 +80,7 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths:
     from torch.nn.attention.varlen import varlen_attn
 
     cu = torch.tensor([0, *lengths], device=query.device).cumsum(0).to(torch.int32)
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d]
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, heads, d]
     longest = max(lengths)
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale,
                       window_size=(-1 if window is None else window - 1, 0), enable_gqa=q.shape[1] != k.shape[1])
