@@ -34,6 +34,9 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
                   on each sync (in place, vLLM's own loader; on the CPU tandem reloads them after vLLM's reload)
   mla-sync        a tiny DeepSeek-V3 with vLLM in process on its CUDA latent-attention backend: logprob_diff; then
                   LoRA on its attention served by vLLM's own LoRA (q_a_proj and kv_a_proj_with_mqa packed in one)
+  varlen          attention by rows of a padding-free sequence (tandem.train.varlen) on PyTorch's varlen flash kernel,
+                  bf16: outputs and gradients against the per-row loop (rows of 1 to 300, GQA, a sliding window);
+                  a tiny Qwen2 packed by rows against padded (logprobs)
   vision          a tiny vision-language model (Idefics3) through the loop on the colors task, hf and vLLM in process:
                   logprob_diff after each sync
   vision-ray      the same with vLLM in colocated Ray workers (one per GPU, at most 2; FSDP2 over the whole model)
@@ -267,6 +270,43 @@ def check_cp2(work: Path) -> str:
     rows = _run(tiny(work / "tiny"), work / "run", "rollout.engine=vllm", "placement.backend=ray",
                 "placement.workers=2", "placement.context_parallel=2", "rollout.vllm.sleep_level=1")
     return "context parallel 2: " + _logprob_gap(rows)
+
+
+@check("varlen")
+def check_varlen(work: Path) -> str:
+    from tandem.architectures import profile
+    from tandem.modeling import load_causal_lm
+    from tandem.samples import Completion
+    from tandem.train import varlen
+    from tandem.train.batch import collate
+    from tandem.train.logprobs import token_logprobs
+
+    dtype = torch.float32 if DRY else torch.bfloat16  # the flash kernel takes half precision only
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 37, 300, 5, 128, 64]
+    N, worst = sum(lengths), 0.0
+    for kv_heads, window in ((8, None), (2, None), (2, 16)):
+        q, k, v = (torch.randn(1, h, N, 64, generator=g).to(device(), dtype).requires_grad_()
+                   for h in (8, kv_heads, kv_heads))
+        fast = varlen.attend(q, k, v, lengths, 0.125, window)  # flash on CUDA
+        loop = varlen.attend(*(x.float() for x in (q, k, v)), lengths, 0.125, window)  # the per-row loop, fp32
+        weights = torch.randn(fast.shape, generator=g).to(device())
+        grads = zip(torch.autograd.grad(fast.float(), (q, k, v), weights),
+                    torch.autograd.grad(loop, (q, k, v), weights))
+        worst = max([worst, float((fast.float() - loop).abs().max())] + [float((a - b).abs().max()) for a, b in grads])
+    assert worst < (1e-5 if DRY else 5e-2), f"row attention: flash against the per-row loop differs by {worst:.3g}"
+    path = tiny(work / "tiny")
+    model = load_causal_lm(str(path), "float32" if DRY else "bfloat16").to(device())
+    varlen.use(model, profile(path))
+    comps = [Completion(list(range(5, 5 + p)), list(range(9, 9 + c)), [0.0] * c, "", "stop", i)
+             for i, (p, c) in enumerate([(7, 20), (30, 3), (3, 60), (12, 12)])]
+    mb = collate(comps, list(range(len(comps))), 0, packed=True).to(torch.device(device()))
+    with torch.no_grad():
+        gap = float(((token_logprobs(model, mb, 1.0)[0] - token_logprobs(model, mb, 1.0, packed=False)[0]).abs()
+                     * mb.mask).max())
+    assert gap < (1e-5 if DRY else 5e-2), f"packed by rows against padded: logprobs differ by {gap:.3g}"
+    kernel = "the per-row loop (dry run)" if DRY else "varlen_attn"
+    return f"{kernel}: max |diff| {worst:.3g} against the fp32 per-row loop (outputs, grads); packed {gap:.3g}"
 
 
 def _vlm(work: Path) -> Path:

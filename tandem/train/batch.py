@@ -284,7 +284,8 @@ def make_micro_batches(samples: Samples, budget: int, pad_id: int, subset: list[
     each group's rows together, sizes micro-batches as the prompt-once layout runs (see `pack`) and lays it out
     (`SharedPrompts`); `packed`, for a padding-free trainer, sizes them by their real tokens and lays them end to
     end (`Packed`). With both, each micro-batch keeps its prompt-once layout only where that runs fewer positions
-    than the padding-free one (`prompt_once_pays`)."""
+    than the padding-free one (`prompt_once_pays`), or where the padding-free one would pass the budget (`pack`
+    sized it by the cheaper estimate of the two)."""
     idx = list(range(len(samples))) if subset is None else subset
     lengths = samples.sequence_lengths
     if by_prompt:
@@ -295,7 +296,8 @@ def make_micro_batches(samples: Samples, budget: int, pad_id: int, subset: list[
         parts = pack([lengths[i] for i in idx], budget, packed=packed)
     mbs = [collate(samples.completions, [idx[k] for k in g], pad_id, by_prompt, packed) for g in parts]
     for mb in mbs:
-        if mb.shared is not None and mb.packed is not None and not prompt_once_pays(mb.shared, mb.packed):
+        if (mb.shared is not None and mb.packed is not None and not prompt_once_pays(mb.shared, mb.packed)
+                and mb.packed.ids.shape[1] <= budget):
             mb.shared = None
     return mbs
 

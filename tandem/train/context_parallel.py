@@ -11,13 +11,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tandem.train import varlen
 
 if TYPE_CHECKING:
     from tandem.train.batch import Packed
 
 # The attention implementation a context-parallel model runs with (`use`). No mask function is registered for it:
 # transformers builds no mask for an attention it has none for (masking_utils' `_preprocess_mask_arguments`), and
-# the one it would build from this rank's chunk is wrong anyway: `_attend` builds its own over the whole sequence.
+# the one it would build from this rank's chunk would be wrong anyway: `_attend` keeps each row to itself over the
+# whole sequence.
 ATTENTION = "tandem_ulysses"
 
 
@@ -67,12 +69,11 @@ class _SumOverRanks(torch.autograd.Function):
 
 @dataclass
 class _Sequence:
-    """What the attention of the forward running now needs beyond this rank's q, k, v: the group and which row
-    each position of the whole (padded) sequence belongs to."""
+    """What the attention of the forward running now needs beyond this rank's q, k, v: the group and the rows the
+    whole (padded) sequence holds end to end."""
 
     group: dist.ProcessGroup
-    segments: torch.Tensor  # [N] the row of each position; the padding at the end is a row of its own
-    masks: dict[int | None, torch.Tensor]  # by sliding window: [N, N] True where a query may attend to a key
+    lengths: list[int]  # each row's length; the padding at the end is a row of its own
 
 
 _local = threading.local()  # the forward running now (`_running`): one per thread, as a forward is
@@ -87,23 +88,12 @@ def _running(sequence: _Sequence):
         _local.sequence = None
 
 
-def _mask(sequence: _Sequence, window: int | None) -> torch.Tensor:
-    """Causal within each row, nothing across rows (and within `window` of the query where a layer slides)."""
-    if window not in sequence.masks:
-        seg = sequence.segments
-        i = torch.arange(seg.numel(), device=seg.device)
-        allowed = (seg[:, None] == seg[None, :]) & (i[None, :] <= i[:, None])
-        if window is not None:
-            allowed &= i[:, None] - i[None, :] < window
-        sequence.masks[window] = allowed
-    return sequence.masks[window]
-
-
 def _attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
             sliding_window: int | None = None, softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface (sdpa's conventions: q, k, v [b, heads, n/cp, d] of this rank's chunk,
-    out [b, n/cp, heads, d]) over the whole sequence: heads exchanged for sequence, attention, and back."""
+    """transformers' attention interface (sdpa's conventions: q, k, v [1, heads, n/cp, d] of this rank's chunk,
+    out [1, n/cp, heads, d]) over the whole sequence: heads exchanged for sequence, each row's causal attention
+    within itself (`varlen.attend`), and back."""
     sequence = getattr(_local, "sequence", None)
     if sequence is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs inside a context-parallel forward only "
@@ -116,9 +106,7 @@ def _attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if kv % cp:  # fewer kv heads than ranks (GQA): each rank gets its query heads' copy of them
         key, value = (x.repeat_interleave(heads // kv, dim=1) for x in (key, value))
     q, k, v = (_AllToAll.apply(x.contiguous(), True, sequence.group) for x in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(sequence, sliding_window), scale=scaling,
-                                         dropout_p=dropout if module.training else 0.0,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = varlen.attend(q, k, v, sequence.lengths, scaling, sliding_window, dropout if module.training else 0.0)
     return _AllToAll.apply(out, False, sequence.group).transpose(1, 2).contiguous(), None
 
 
@@ -139,7 +127,7 @@ class Chunk:
     positions: torch.Tensor  # [..., 1, n] each row's own positions, as `Packed.positions`
     keep: torch.Tensor  # [k] positions within the chunk whose logits predict a completion token
     at: torch.Tensor  # [k] where each one's token goes in the [b, T] tensors, flattened (global: `Packed.at`'s)
-    segments: torch.Tensor  # [N padded] the row of every position of the whole sequence (the padding: row b)
+    lengths: list[int]  # the rows of the whole sequence end to end, the padding (if any) a last one of its own
 
 
 def split(p: Packed, rank: int, cp: int) -> Chunk:
@@ -148,8 +136,6 @@ def split(p: Packed, rank: int, cp: int) -> Chunk:
     N = p.ids.shape[-1]
     pad = -N % cp
     n = (N + pad) // cp
-    rows = torch.arange(len(p.lengths), device=p.lengths.device)
-    segments = torch.cat([rows.repeat_interleave(p.lengths), rows.new_full((pad,), len(p.lengths))])
     ids = F.pad(p.ids, (0, pad))
     # the padding runs at positions 0.. of its own (a row of its own: no row attends to it, nor it to any)
     positions = torch.cat([p.positions, torch.arange(pad, device=p.positions.device).expand(
@@ -157,7 +143,7 @@ def split(p: Packed, rank: int, cp: int) -> Chunk:
     start = rank * n
     mine = (p.keep >= start) & (p.keep < start + n)
     return Chunk(ids[..., start:start + n], positions[..., start:start + n], p.keep[mine] - start, p.at[mine],
-                 segments)
+                 p.lengths.tolist() + ([pad] if pad else []))
 
 
 def forward(model, p: Packed, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +151,7 @@ def forward(model, p: Packed, group: dist.ProcessGroup) -> tuple[torch.Tensor, t
     other chunks (`_attend`). Returns the logits it keeps [1, k, vocab] and where their tokens go (`Packed.at`'s):
     `tandem.train.logprobs` scores them and sums the [b, T] results over the group (`summed`)."""
     chunk = split(p, dist.get_rank(group), dist.get_world_size(group))
-    with _running(_Sequence(group, chunk.segments, {})):
+    with _running(_Sequence(group, chunk.lengths)):
         out = model(input_ids=chunk.ids, position_ids=chunk.positions, attention_mask=None, use_cache=False,
                     logits_to_keep=chunk.keep)
     return out.logits, chunk.at

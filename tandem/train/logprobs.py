@@ -12,7 +12,7 @@ from transformers.cache_utils import LinearAttentionLayer
 from tandem import moe
 from tandem.algo import entropy_from_logprobs
 from tandem.modeling import rope_positions
-from tandem.train import context_parallel
+from tandem.train import context_parallel, varlen
 from tandem.train.batch import MicroBatch
 from tandem.train.stats import StepStats
 
@@ -28,8 +28,10 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     wrapping (not under FSDP, whose hooks expect one forward per backward).
 
     Otherwise, where `mb.packed` is set, the padding-free forward: the rows end to end with no attention mask, each
-    row's positions restarting at 0 (transformers confines attention to a row from those), the LM head on the
-    positions that predict a completion token only; their logprobs are put in their [b, T] places (zeros elsewhere).
+    row's positions restarting at 0, attention confined to each row (`varlen`: by rows where the model was given
+    its attention, `varlen.use`; else transformers' mask from the restarting positions, dense over the whole
+    sequence), the LM head on the positions that predict a completion token only; their logprobs are put in their
+    [b, T] places (zeros elsewhere).
     `packed` False: the padded forward even so (a model whose profile does not pack, scoring micro-batches laid out
     for one that does: a teacher of another architecture). With `context_group` (context parallel: a model set up by
     `context_parallel.use`) this rank runs its chunk of the padding-free sequence and the results are summed over
@@ -55,7 +57,7 @@ def _packed_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bo
     parallel, this rank's kept logits, then the sum over `context_group`."""
     p, (b, T) = mb.packed, mb.targets.shape
     if context_group is None:
-        with _whole_rows(model, mb, packed=True) as (input_ids, position_ids):
+        with _whole_rows(model, mb, packed=True) as (input_ids, position_ids), varlen.rows(p.lengths):
             out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
                         logits_to_keep=p.keep, **mb.images)
         logits, at = out.logits, p.at

@@ -23,6 +23,7 @@ from tandem.algo import (
 from tandem.config import AlgoConfig, LoraConfig, OldLogprobs, OptimConfig
 from tandem.architectures import ModelProfile, profile
 from tandem.modeling import load_causal_lm
+from tandem.train import varlen
 from tandem.train.batch import MicroBatch, dummy_micro_batch
 from tandem.train.logprobs import forward_positions, route_stats, routed_logprobs
 from tandem.train.offload import Offloader
@@ -135,7 +136,8 @@ class Policy:
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.profile = model_profile or profile(model_path)
         self.teacher_profile = profile(algo.distill.teacher) if algo.distill.teacher else None
-        self.model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code))
+        self.model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code), self.profile,
+                                     padding_free)
         self.lora = None  # the PeftModel around self.model when adapters train (self.model's layers are its)
         if lora is not None and lora.enabled:
             from tandem.train import lora as lora_lib
@@ -177,18 +179,22 @@ class Policy:
         """A frozen model beside the policy (the reference, the teacher), sharded as the policy is."""
         from tandem.train.parallel import parallelize
 
-        model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code)).eval().requires_grad_(False)
+        model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code), model_profile,
+                                self.padding_free or self.teacher_packs).eval().requires_grad_(False)
         if device is not None:
             model.to(device)
         parallelize(model, self.mesh, model_profile, self.expert_parallel)
         return model
 
-    def _attending(self, model):
-        """`model`, attending by Ulysses under context parallel (`tandem.train.context_parallel`)."""
+    def _attending(self, model, model_profile: ModelProfile, packed: bool):
+        """`model` with the attention its padding-free forwards take: Ulysses' under context parallel (its rows split
+        over the cp ranks: `tandem.train.context_parallel`), else by rows where it runs `packed` (`varlen`)."""
         if self.cp_size > 1:
             from tandem.train import context_parallel
 
             context_parallel.use(model)
+        elif packed:
+            varlen.use(model, model_profile)
         return model
 
     def _logprobs(self, model, routing: "moe.Routing | None", mb: MicroBatch, replay: bool = False,

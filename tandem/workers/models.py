@@ -14,7 +14,7 @@ from tandem.config import Config
 from tandem.modeling import load_causal_lm, load_tokenizer
 from tandem.rollout import judge
 from tandem.samples import Samples
-from tandem.train import reward_model
+from tandem.train import reward_model, varlen
 from tandem.train.batch import make_micro_batches
 from tandem.train.logprobs import routed_logprobs
 from tandem.workers.balance import balance
@@ -136,6 +136,8 @@ class TeacherWorker:
         self.budget = cfg.batch.micro_batch_tokens
         self.share_prompts = bool(teacher_profile.prompts_once)
         self.padding_free = cfg.batch.padding_free and teacher_profile.packs
+        if self.padding_free:
+            varlen.use(self.teacher, teacher_profile)
 
     @torch.no_grad()
     def logprobs(self, samples: Samples) -> tuple[list[list[float]], float]:

@@ -182,7 +182,7 @@ def test_split_gives_each_rank_a_contiguous_chunk_and_the_logits_it_holds():
     assert [c.ids.shape[1] for c in chunks] == [4] * 4
     assert torch.equal(torch.cat([c.positions for c in chunks], dim=1), torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0,
                                                                                          1, 2, 3, 0, 1, 2]]))
-    assert torch.equal(chunks[0].segments, torch.tensor([0] * 5 + [1] * 4 + [2] * 4 + [3] * 3))
+    assert chunks[0].lengths == [5, 4, 4, 3]  # the padding a row of its own
     kept = torch.cat([c.keep + 4 * r for r, c in enumerate(chunks)])
     assert torch.equal(kept, p.keep) and torch.equal(torch.cat([c.at for c in chunks]), p.at)
     assert 3 in chunks[0].keep.tolist()  # position 3 predicts position 4's token, in the same chunk ...
@@ -205,7 +205,7 @@ def _attention(rank: int, world: int, port: int, out_dir: str) -> None:
         g = torch.Generator().manual_seed(heads * 10 + kv)
         q, k, v = (torch.randn(1, h, 16, 8, generator=g) for h in (heads, kv, kv))
         mine = [x[:, :, rank * n:(rank + 1) * n].clone().requires_grad_() for x in (q, k, v)]
-        with cp._running(cp._Sequence(group, chunk.segments, {})):
+        with cp._running(cp._Sequence(group, chunk.lengths)):
             out, _ = cp._attend(module, *mine, None, scaling=0.5, sliding_window=window)
         out.square().sum().backward()
         result[(heads, kv, window)] = (out.detach(), [x.grad for x in mine])
