@@ -245,9 +245,9 @@ def test_ulysses_attention_equals_the_whole_sequence_attention(tmp_path, monkeyp
         out.square().sum().backward()
         torch.testing.assert_close(torch.cat([got[r][(heads, kv, window)][0] for r in range(2)], dim=1), out,
                                    rtol=1e-5, atol=1e-6)
-        for i, x in enumerate(whole):
+        for i, x in enumerate(whole):  # gradients up to ~40 (the KV heads' sum their query heads'): 1e-5 absolute
             torch.testing.assert_close(torch.cat([got[r][(heads, kv, window)][1][i] for r in range(2)], dim=2),
-                                       x.grad, rtol=1e-5, atol=1e-6)
+                                       x.grad, rtol=1e-5, atol=1e-5)
         local = _reference(p, *(x.detach() for x in whole), window, 0.5, rows_only=8)
         assert not torch.allclose(local, out.detach(), atol=1e-3)
 
