@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the zoo's builde
 from conftest import free_port  # noqa: E402
 import zoo_models  # noqa: E402
 
-from tandem.architectures import SUPPORT, profile, support_table  # noqa: E402
+from tandem.architectures import SUPPORT, beyond_ulysses, profile, support_table  # noqa: E402
 from tandem.config import ConfigError, load_config  # noqa: E402
 from tandem.run.preflight import check_supported  # noqa: E402
 
@@ -128,6 +128,15 @@ def test_every_zoo_architecture_passes_every_placement_and_one_outside_it_is_ref
     for arch in (a for a in SUPPORT if a in zoo):
         check_supported(zoo_config(zoo[arch], tmp_path, "placement.backend=ray", "placement.workers=2",
                                    "placement.tensor_parallel=2"))
+        # context parallel: the dense ones (trained under it in tests/train/test_context_parallel.py), the rest
+        # refused with what it does not cover
+        cp = zoo_config(zoo[arch], tmp_path, "placement.backend=ray", "placement.workers=2",
+                        "placement.context_parallel=2")
+        if beyond_ulysses(profile(zoo[arch])):
+            with pytest.raises(ConfigError, match="placement.context_parallel: 2, but model.path"):
+                check_supported(cp)
+        else:
+            check_supported(cp)
         if SUPPORT[arch].cpu_vllm and not torch.cuda.is_available():  # Qwen3.5: the table's reason
             with pytest.raises(ConfigError, match=re.escape(SUPPORT[arch].cpu_vllm)):
                 check_supported(zoo_config(zoo[arch], tmp_path, "rollout.engine=vllm"))
