@@ -53,12 +53,10 @@ class BatchConfig(Section):
         "Architectures whose transformers code cannot keep the rows apart (Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet "
         "layers; gpt-oss; any outside the model zoo) run padded whatever this says (the model's profile decides: "
         "tandem.architectures). Where the trainer runs each prompt once (see micro_batch_tokens), a micro-batch "
-        "runs prompt-once where that is fewer positions, padding-free otherwise. Its attention runs on every "
-        "pair of the micro-batch's N tokens, masked (transformers' sdpa and eager build a dense N x N mask; only a "
-        "varlen kernel, flash-attention's, skips other rows), so with many short rows or a small model, where "
-        "attention dominates, it can cost more than the padding it saves (a CPU measurement: docs/design-notes.md, "
-        "Training: padding-free): turn it off there, to compare with the padded layout, or for attention code of "
-        "your own that ignores the positions.",
+        "runs prompt-once where that is fewer positions, padding-free otherwise. Attention runs by rows, each "
+        "row's own positions only (tandem.train.varlen: PyTorch's varlen flash kernel on CUDA, rows batched by "
+        "length on the CPU), with no mask over the micro-batch's N tokens. Turn it off to compare with the padded "
+        "layout (measurements: docs/design-notes.md, Training: padding-free).",
     )
 
 

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 
 from tandem.train import varlen
 
+
 if TYPE_CHECKING:
     from tandem.train.batch import Packed
 
 # The attention implementation a context-parallel model runs with (`use`). No mask function is registered for it:
 # transformers builds no mask for an attention it has none for (masking_utils' `_preprocess_mask_arguments`), and
-# the one it would build from this rank's chunk would be wrong anyway: `_attend` keeps each row to itself over the
-# whole sequence.
+# the one it would build from this rank's chunk is wrong anyway: `_attend` attends by rows over the whole sequence.
 ATTENTION = "tandem_ulysses"
 
 
@@ -69,11 +69,11 @@ class _SumOverRanks(torch.autograd.Function):
 
 @dataclass
 class _Sequence:
-    """What the attention of the forward running now needs beyond this rank's q, k, v: the group and the rows the
-    whole (padded) sequence holds end to end."""
+    """What the attention of the forward running now needs beyond this rank's q, k, v: the group and the rows of the
+    whole (padded) sequence."""
 
     group: dist.ProcessGroup
-    lengths: list[int]  # each row's length; the padding at the end is a row of its own
+    lengths: list[int]  # each row's length, end to end (`Chunk.lengths`): attention stays within each (`varlen`)
 
 
 _local = threading.local()  # the forward running now (`_running`): one per thread, as a forward is
@@ -91,9 +91,8 @@ def _running(sequence: _Sequence):
 def _attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
             sliding_window: int | None = None, softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface (sdpa's conventions: q, k, v [1, heads, n/cp, d] of this rank's chunk,
-    out [1, n/cp, heads, d]) over the whole sequence: heads exchanged for sequence, each row's causal attention
-    within itself (`varlen.attend`), and back."""
+    """transformers' attention interface (sdpa's conventions: q, k, v [b, heads, n/cp, d] of this rank's chunk,
+    out [b, n/cp, heads, d]) over the whole sequence: heads exchanged for sequence, attention, and back."""
     sequence = getattr(_local, "sequence", None)
     if sequence is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs inside a context-parallel forward only "
@@ -127,7 +126,7 @@ class Chunk:
     positions: torch.Tensor  # [..., 1, n] each row's own positions, as `Packed.positions`
     keep: torch.Tensor  # [k] positions within the chunk whose logits predict a completion token
     at: torch.Tensor  # [k] where each one's token goes in the [b, T] tensors, flattened (global: `Packed.at`'s)
-    lengths: list[int]  # the rows of the whole sequence end to end, the padding (if any) a last one of its own
+    lengths: list[int]  # the rows of the whole sequence end to end, the padding at the end a row of its own
 
 
 def split(p: Packed, rank: int, cp: int) -> Chunk:

@@ -136,8 +136,9 @@ class Policy:
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.profile = model_profile or profile(model_path)
         self.teacher_profile = profile(algo.distill.teacher) if algo.distill.teacher else None
-        self.model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code), self.profile,
-                                     padding_free)
+        self.padding_free = padding_free and self.profile.packs
+        self.teacher_packs = padding_free and self.teacher_profile is not None and self.teacher_profile.packs
+        self.model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code), self.profile)
         self.lora = None  # the PeftModel around self.model when adapters train (self.model's layers are its)
         if lora is not None and lora.enabled:
             from tandem.train import lora as lora_lib
@@ -149,8 +150,6 @@ class Policy:
         self.model.train()
         # see logprobs.token_logprobs: FSDP's hooks want one forward per backward
         self.share_prompts = self.mesh is None and bool(self.profile.prompts_once)
-        self.padding_free = padding_free and self.profile.packs
-        self.teacher_packs = padding_free and self.teacher_profile is not None and self.teacher_profile.packs
         self.expert_parallel = expert_parallel if self.mesh is not None else 1
         # fused weights' row orders, parameters with partial gradients
         self.tp = parallelize(self.model, self.mesh, self.profile, self.expert_parallel)
@@ -179,21 +178,21 @@ class Policy:
         """A frozen model beside the policy (the reference, the teacher), sharded as the policy is."""
         from tandem.train.parallel import parallelize
 
-        model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code), model_profile,
-                                self.padding_free or self.teacher_packs).eval().requires_grad_(False)
+        model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code), model_profile)
+        model.eval().requires_grad_(False)
         if device is not None:
             model.to(device)
         parallelize(model, self.mesh, model_profile, self.expert_parallel)
         return model
 
-    def _attending(self, model, model_profile: ModelProfile, packed: bool):
-        """`model` with the attention its padding-free forwards take: Ulysses' under context parallel (its rows split
-        over the cp ranks: `tandem.train.context_parallel`), else by rows where it runs `packed` (`varlen`)."""
+    def _attending(self, model, model_profile: ModelProfile):
+        """`model`, attending by Ulysses under context parallel (`tandem.train.context_parallel`), else by rows in a
+        padding-free forward where it runs one (`varlen`: batch.padding_free on and its profile packs)."""
         if self.cp_size > 1:
             from tandem.train import context_parallel
 
             context_parallel.use(model)
-        elif packed:
+        elif self.padding_free or self.teacher_packs:  # the setting is on (`varlen.use` asks the profile)
             varlen.use(model, model_profile)
         return model
 

@@ -41,26 +41,45 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths:
     """Causal attention within each row: q [1, heads, N, d], k and v [1, kv heads, N, d] (GQA: heads a multiple of
     kv heads), the rows `lengths` end to end (summing to N); `window`: a query sees only its last `window` positions
     (itself included, transformers' sliding_window). Returns [1, heads, N, d]. Cost and memory follow the sum of
-    the rows' squared lengths, not N squared."""
+    the rows' squared lengths (at most 4 times it: `_buckets`), not N squared."""
     if sum(lengths) != query.shape[2] or query.shape[0] != 1:
         raise ValueError(f"row attention: rows of {sum(lengths)} positions in all for a query of shape "
                          f"{tuple(query.shape)} (one sequence of them expected)")
     if query.is_cuda and _flash_fits(query, dropout):
         return _flash(query, key, value, lengths, scale, window)
-    gqa = query.shape[1] != key.shape[1]
-    out, start = [], 0
-    for n in lengths:
-        q, k, v = (x[:, :, start:start + n] for x in (query, key, value))
-        if window is not None and n > window:  # a mask of this row's size only
-            i = torch.arange(n, device=query.device)
-            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                                      enable_gqa=gqa))
+    starts = torch.tensor([0, *lengths[:-1]], device=query.device).cumsum(0)
+    sizes = torch.tensor(lengths, device=query.device)
+    outs, places = [], []
+    for rows in _buckets(lengths):
+        width = lengths[rows[0]]
+        j = torch.arange(width, device=query.device)
+        real = j[None, :] < sizes[rows, None]  # [rows, width]
+        # each row right-padded to the bucket's width: a real query never reaches its padding (causal), and the
+        # padding's queries, which read real positions (the first of the sequence), are dropped
+        at = torch.where(real, starts[rows, None] + j[None, :], 0)
+        q, k, v = (x[0][:, at].transpose(0, 1) for x in (query, key, value))  # [rows, heads, width, d]
+        mask = None
+        if window is not None and width > window:
+            mask = (j[None, :] <= j[:, None]) & (j[:, None] - j[None, :] < window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                             is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(out.transpose(1, 2)[real])  # [real positions, heads, d]
+        places.append(at[real])
+    order = torch.cat(places).argsort()  # back to the sequence's order
+    return torch.cat(outs)[order].permute(1, 0, 2)[None]
+
+
+def _buckets(lengths: list[int]) -> list[list[int]]:
+    """The rows grouped for one batched attention each, longest first: a row joins the current group while it is at
+    least half the group's longest, so padding it to that costs at most 4 times its own attention, and there are
+    at most log2(longest / shortest) + 1 groups (a Python loop over rows, on CPU, costs more than that padding)."""
+    out: list[list[int]] = []
+    for r in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        if out and 2 * lengths[r] >= lengths[out[-1][0]]:
+            out[-1].append(r)
         else:
-            out.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=True,
-                                                      enable_gqa=gqa))
-        start += n
-    return torch.cat(out, dim=2)
+            out.append([r])
+    return out
 
 
 def _flash_fits(query: torch.Tensor, dropout: float) -> bool:

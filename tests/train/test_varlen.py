@@ -39,6 +39,11 @@ def test_rows_match_the_dense_mask_with_gradients(kv_heads, window):
         assert (a - b).abs().max() < TOL
 
 
+def test_rows_are_batched_by_length_within_a_factor_of_two():
+    """The rows above run in four batched attentions (each row padded to at most twice its length), not six."""
+    assert varlen._buckets([5, 1, 17, 9, 30, 3]) == [[4, 2], [3, 0], [5], [1]]
+
+
 def test_a_row_seeing_its_neighbour_differs():
     """The comparison above can fail: rows told as one (the first two joined) differ from the dense mask's rows."""
     g = torch.Generator().manual_seed(1)
