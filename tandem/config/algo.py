@@ -41,10 +41,20 @@ class BatchConfig(Section):
         "(a group is never split).",
     )
     micro_batch_tokens: int = Field(
-        8192, ge=1, description="Token budget of one forward/backward (prompt + completion tokens, after padding "
-        "inside the micro-batch; where the trainer runs each prompt once, Qwen2/Llama/Qwen3.5 trained by one process "
-        "with no FSDP or TP mesh, a prompt counts once for all its rows there). Bounds memory; does not change the "
-        "result.",
+        8192, ge=1, description="Token budget of one forward/backward (prompt + completion tokens: padding-free "
+        "(batch.padding_free), the real tokens only; padded, after padding inside the micro-batch; where the trainer "
+        "runs each prompt once, Qwen2/Llama/Qwen3.5 trained by one process with no FSDP or TP mesh, a prompt counts "
+        "once for all its rows there). Bounds memory; does not change the result.",
+    )
+    padding_free: bool = Field(
+        True, description="Run each micro-batch padding-free: its rows end to end in one sequence, each attending "
+        "only to itself, the LM head on the completion tokens only, so no position is spent on padding and "
+        "micro_batch_tokens counts real tokens. The same logprobs and gradients as padded, to float rounding. "
+        "Architectures whose transformers code cannot keep the rows apart (Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet "
+        "layers; gpt-oss; any outside the model zoo) run padded whatever this says (the model's profile decides: "
+        "tandem.architectures). Where the trainer runs each prompt once (see micro_batch_tokens), a micro-batch "
+        "runs prompt-once where that is fewer positions, padding-free otherwise. Turn off to compare with the "
+        "padded layout, or for attention code of your own that ignores the positions.",
     )
 
 

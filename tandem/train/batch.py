@@ -1,8 +1,10 @@
-"""A step's completions as tensors for the trainer: micro-batches packed by a token budget, left-padded.
+"""A step's completions as tensors for the trainer: micro-batches packed by a token budget, left-padded, and where the
+trainer runs them padding-free, also laid end to end (`Packed`).
 
 Left padding puts every sequence's last token in the last column, so the completion tokens of a micro-batch
 sit in its last `T` columns (T = longest completion in it): the LM head runs on those columns only, and the
-per-token tensors (targets, masks, logprobs) are [rows, T], right-aligned.
+per-token tensors (targets, masks, logprobs) are [rows, T], right-aligned. The padding-free layout changes only
+what the forward takes and where its logits land: the per-token tensors stay [rows, T].
 
 For a trainer that runs each distinct prompt once instead of once per completion, a micro-batch whose rows repeat
 a prompt (GRPO's groups) also carries the prompt-once layout (`SharedPrompts`).
@@ -48,6 +50,28 @@ class SharedPrompts:
 
 
 @dataclass
+class Packed:
+    """A micro-batch's rows end to end in one sequence: what the padding-free forward takes.
+
+    Each row's positions restart at 0, which is how transformers tells the rows apart with no attention mask
+    (`find_packed_sequence_indices`: attention stays within a row). `positions` is the 1-D positions; a 3-D rotary
+    model's forward puts its own three sections after them ([4, 1, N], transformers' packed form for mRoPE:
+    `tandem.train.logprobs`)."""
+
+    ids: torch.Tensor  # [1, N] every row's prompt + completion, rows in the micro-batch's order
+    positions: torch.Tensor  # [1, N] each row's own positions from 0
+    keep: torch.Tensor  # [K] the positions of `ids` whose logits predict a completion token, ascending
+    at: torch.Tensor  # [K] where each kept logit's token goes in the [b, T] per-token tensors, flat: row * T + col
+    lengths: torch.Tensor  # [b] each row's length in `ids` (the segments, in order)
+
+    def to(self, device: torch.device) -> "Packed":
+        """Every tensor moved to `device`, in place (no copy where they already are)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name).to(device))
+        return self
+
+
+@dataclass
 class MicroBatch:
     rows: list[int]  # the rows of the step's Samples this micro-batch holds: its advantages are looked up by them
     input_ids: torch.Tensor  # [b, L] left-padded prompt + completion
@@ -60,6 +84,7 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None  # [b, T], filled when kl_coef > 0
     teacher_logprobs: torch.Tensor | None = None  # [b, T], filled when algo.distill names a teacher (or collated)
     shared: SharedPrompts | None = None  # set when rows repeat a prompt: the prompt-once layout of the same rows
+    packed: Packed | None = None  # set for a padding-free trainer: the same rows end to end, what its forward takes
     # Mixture of experts, where the sampler recorded them (`Completion.routes`): the experts each position of
     # input_ids went to [b, L, MoE layers, top_k], and where that is known [b, L] bool (`tandem.moe.batch_routes`)
     routes: torch.Tensor | None = None
@@ -76,7 +101,7 @@ class MicroBatch:
         the host, the policy runs on its device."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if torch.is_tensor(value) or isinstance(value, SharedPrompts):
+            if torch.is_tensor(value) or isinstance(value, (SharedPrompts, Packed)):
                 setattr(self, f.name, value.to(device))
         self.images = {k: v.to(device) for k, v in self.images.items()}
         return self
@@ -93,16 +118,17 @@ class MicroBatch:
 
 
 def pack(lengths: list[int], budget: int, groups: list[int] | None = None,
-         prompt_lengths: list[int] | None = None) -> list[list[int]]:
-    """Group indices into micro-batches whose padded size (rows x longest) stays within `budget` tokens.
+         prompt_lengths: list[int] | None = None, packed: bool = False) -> list[list[int]]:
+    """Group indices into micro-batches whose size, as they will run, stays within `budget` tokens: padded, rows x
+    longest; `packed` (padding-free, `Packed`), the sum of the rows' lengths.
 
     Sorting by length first keeps padding small. With `groups` (each index's prompt group, all of whose rows share
     a prompt) the rows of a group are kept next to each other instead, so a micro-batch holds whole groups where the
     budget allows and runs each prompt once (`SharedPrompts`); with `prompt_lengths` too, a micro-batch is sized as
     that prompt-once layout runs: its distinct prompts once each plus every row's completion (each part padded to
     its longest), so a long prompt's group of short completions is not cut into micro-batches that each run the
-    prompt again. Each micro-batch is returned in ascending index order so results do not depend on how ties were
-    broken.
+    prompt again; `packed` with it, as the cheaper of the two (`make_micro_batches` runs each micro-batch so).
+    Each micro-batch is returned in ascending index order so results do not depend on how ties were broken.
     """
     if groups is None:
         order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
@@ -115,26 +141,31 @@ def pack(lengths: list[int], budget: int, groups: list[int] | None = None,
     out: list[list[int]] = []
     current: list[int] = []
     prompts: set[int] = set()
-    head = tail = 0  # size = distinct prompts x longest head + rows x longest tail
+    head = tail = total = 0  # prompt-once size = distinct prompts x longest head + rows x longest tail
     for i in order:
         # plain: no head, the whole sequence is the tail; prompt-once: the prompt but its last token is the head, and
         # each row runs its prompt's last token and its completion but its last: completion-many tokens
         h, t = (prompt_lengths[i] - 1, lengths[i] - prompt_lengths[i]) if shared else (0, lengths[i])
         heads = len(prompts | {groups[i]}) if shared else 0
-        if current and heads * max(head, h) + (len(current) + 1) * max(tail, t) > budget:
+        size = heads * max(head, h) + (len(current) + 1) * max(tail, t)
+        if packed:
+            size = min(size, total + lengths[i]) if shared else total + lengths[i]
+        if current and size > budget:
             out.append(sorted(current))
-            current, prompts, head, tail = [], set(), 0, 0
+            current, prompts, head, tail, total = [], set(), 0, 0, 0
         current.append(i)
         if shared:
             prompts.add(groups[i])
-        head, tail = max(head, h), max(tail, t)
+        head, tail, total = max(head, h), max(tail, t), total + lengths[i]
     if current:
         out.append(sorted(current))
     return out
 
 
-def collate(completions: list[Completion], rows: list[int], pad_id: int, share_prompts: bool = False) -> MicroBatch:
-    """These rows as one micro-batch; with `share_prompts`, also their prompt-once layout (when a prompt repeats)."""
+def collate(completions: list[Completion], rows: list[int], pad_id: int, share_prompts: bool = False,
+            packed: bool = False) -> MicroBatch:
+    """These rows as one micro-batch; with `share_prompts`, also their prompt-once layout (when a prompt repeats);
+    with `packed`, also the rows end to end (`Packed`)."""
     prompts = [completions[i].prompt_ids for i in rows]
     outs = [completions[i].completion_ids for i in rows]
     seqs = [p + c for p, c in zip(prompts, outs)]
@@ -161,7 +192,24 @@ def collate(completions: list[Completion], rows: list[int], pad_id: int, share_p
         mb.routes, mb.routed = moe.batch_routes(routes, list(map(len, seqs)), L, *shape)
     if share_prompts:
         mb.shared = _shared_prompts(prompts, outs, T, pad_id, images)
+    if packed:
+        mb.packed = _packed(prompts, outs, T)
     return mb
+
+
+def _packed(prompts: list[list[int]], outs: list[list[int]], T: int) -> Packed:
+    """These rows end to end: row r's completion token j is predicted by the logit at its prompt's last position
+    plus j, and lands in column T - len(completion) + j of row r (right-aligned, as `targets`)."""
+    seqs = [p + c for p, c in zip(prompts, outs)]
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    starts = lengths.cumsum(0) - lengths
+    keep, at = [], []
+    for r, (p, c) in enumerate(zip(prompts, outs)):
+        keep.append(torch.arange(len(c)) + int(starts[r]) + len(p) - 1)
+        at.append(torch.arange(len(c)) + r * T + T - len(c))
+    return Packed(ids=torch.tensor([t for s in seqs for t in s], dtype=torch.long).view(1, -1),
+                  positions=torch.cat([torch.arange(len(s)) for s in seqs]).view(1, -1),
+                  keep=torch.cat(keep).long(), at=torch.cat(at).long(), lengths=lengths)
 
 
 def _left_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,19 +279,33 @@ def _shared_prompts(prompts: list[list[int]], outs: list[list[int]], T: int, pad
 
 
 def make_micro_batches(samples: Samples, budget: int, pad_id: int, subset: list[int] | None = None,
-                       by_prompt: bool = False) -> list[MicroBatch]:
+                       by_prompt: bool = False, packed: bool = False) -> list[MicroBatch]:
     """`subset` (default all rows) packed by `budget`; `by_prompt`, for a trainer that runs each prompt once, keeps
     each group's rows together, sizes micro-batches as the prompt-once layout runs (see `pack`) and lays it out
-    (`SharedPrompts`)."""
+    (`SharedPrompts`); `packed`, for a padding-free trainer, sizes them by their real tokens and lays them end to
+    end (`Packed`). With both, each micro-batch keeps its prompt-once layout only where that runs fewer positions
+    than the padding-free one (`prompt_once_pays`)."""
     idx = list(range(len(samples))) if subset is None else subset
     lengths = samples.sequence_lengths
     if by_prompt:
         groups = samples.group.tolist()
         prompts = [len(samples.completions[i].prompt_ids) for i in idx]
-        packed = pack([lengths[i] for i in idx], budget, [groups[i] for i in idx], prompts)
+        parts = pack([lengths[i] for i in idx], budget, [groups[i] for i in idx], prompts, packed)
     else:
-        packed = pack([lengths[i] for i in idx], budget)
-    return [collate(samples.completions, [idx[k] for k in g], pad_id, by_prompt) for g in packed]
+        parts = pack([lengths[i] for i in idx], budget, packed=packed)
+    mbs = [collate(samples.completions, [idx[k] for k in g], pad_id, by_prompt, packed) for g in parts]
+    for mb in mbs:
+        if mb.shared is not None and mb.packed is not None and not prompt_once_pays(mb.shared, mb.packed):
+            mb.shared = None
+    return mbs
+
+
+def prompt_once_pays(shared: SharedPrompts, packed: Packed) -> bool:
+    """Whether the prompt-once layout runs fewer positions than the padding-free one of the same rows: its distinct
+    prompts x their longest, plus each bucket's rows x its width and `BUCKET_PASS_TOKENS` for each bucket's pass
+    (the prompts' pass is the one pass the padding-free layout runs too), against the sum of the rows' lengths."""
+    once = shared.ids.numel() + sum(len(rows) * width + BUCKET_PASS_TOKENS for rows, width in shared.buckets)
+    return once < packed.ids.shape[1]
 
 
 def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:
@@ -251,11 +313,12 @@ def dummy_micro_batch(pad_id: int = 0) -> MicroBatch:
 
     Sharded training (FSDP/TP) needs every rank to run the same number of passes (they are collectives); a rank
     with fewer micro-batches in a mini-batch than its peers runs these. Its old, reference and teacher logprobs are
-    set (zeros) so it can enter an update without having been through `prepare`.
+    set (zeros) so it can enter an update without having been through `prepare`. It carries the padding-free layout
+    too: one row end to end is the row itself, so it runs the same in either layout.
     """
     # two tokens: a one-token "prompt" and a one-token "completion", the smallest shape the logprob code handles
     ids = torch.full((1, 2), pad_id, dtype=torch.long)
     zeros = torch.zeros((1, 1), dtype=torch.float32)
     return MicroBatch([], ids, torch.ones_like(ids), torch.arange(2).view(1, 2), ids[:, 1:].clone(), zeros.clone(),
                       zeros.clone(), old_logprobs=zeros.clone(), ref_logprobs=zeros.clone(),
-                      teacher_logprobs=zeros.clone())
+                      teacher_logprobs=zeros.clone(), packed=_packed([[pad_id]], [[pad_id]], 1))

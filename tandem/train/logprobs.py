@@ -1,5 +1,6 @@
-"""Token logprobs of a micro-batch under a model: the full forward, the prompt-once layout, entropies, and the
-routing statistics of an MoE's forward. Pure functions of a model and tensors: no optimizer, no state kept."""
+"""Token logprobs of a micro-batch under a model: the full forward (padded or padding-free), the prompt-once layout,
+entropies, and the routing statistics of an MoE's forward. Pure functions of a model and tensors: no optimizer, no
+state kept."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,7 @@ from tandem.train.stats import StepStats
 
 
 def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
-                   share_prompts: bool = False):
+                   share_prompts: bool = False, packed: bool = True):
     """log pi(target) for the completion tokens of `mb` [b, T], and their entropies when asked (with a
     gradient only when an entropy bonus needs one).
 
@@ -23,34 +24,65 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     instead of every row's full sequence: the same logprobs to float rounding, with the prompt's tokens computed once
     per group instead of once per completion. Two forwards per pass, so only where that is safe for the model's
     wrapping (not under FSDP, whose hooks expect one forward per backward).
+
+    Otherwise, where `mb.packed` is set, the padding-free forward: the rows end to end with no attention mask, each
+    row's positions restarting at 0 (transformers confines attention to a row from those), the LM head on the
+    positions that predict a completion token only; their logprobs are put in their [b, T] places (zeros elsewhere).
+    `packed` False: the padded forward even so (a model whose profile does not pack, scoring micro-batches laid out
+    for one that does: a teacher of another architecture).
     """
     if share_prompts and mb.shared is not None:
         return _shared_prompt_logprobs(model, mb, temperature, with_entropy, entropy_grad)
+    if packed and mb.packed is not None:
+        return _packed_logprobs(model, mb, temperature, with_entropy, entropy_grad)
     with _whole_rows(model, mb) as (input_ids, position_ids):
         out = model(input_ids=input_ids, attention_mask=mb.attention_mask, position_ids=position_ids,
                     use_cache=False, logits_to_keep=mb.width + 1, **mb.images)
     return _logprobs(out.logits[:, :-1, :], mb.targets, mb.mask, temperature, with_entropy, entropy_grad)
 
 
+def _packed_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
+    """`token_logprobs` on the padding-free layout (`mb.packed`): the K kept logits against their targets, scattered
+    into zeros [b, T] (differentiably: each kept logit's gradient comes back from its place)."""
+    p, (b, T) = mb.packed, mb.targets.shape
+    with _whole_rows(model, mb, packed=True) as (input_ids, position_ids):
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
+                    logits_to_keep=p.keep, **mb.images)
+    targets, mask = mb.targets.flatten()[p.at], mb.mask.flatten()[p.at]
+    logp, entropy = _logprobs(out.logits, targets[None], mask[None], temperature, with_entropy, entropy_grad)
+    put = lambda x: x.new_zeros(b * T).index_put((p.at,), x[0]).view(b, T)  # noqa: E731
+    return put(logp), None if entropy is None else put(entropy)
+
+
 @contextlib.contextmanager
-def _whole_rows(model, mb: MicroBatch):
-    """The ids and positions for a forward over whole rows (prompt and completion) with their images. A completion
-    may hold the image placeholder token (a model may sample it), which the sampler fed as a token (decoding feeds
-    no pixels) and the model would take for one more image's place: it enters as another id, and its own embedding
-    is put back in its place by a hook on the embedding layer (inside the model's forward, so FSDP has the weights
-    gathered); the images fill only the prompt's placeholders. A 3-D rotary model (mRoPE: `rope_positions`) runs at
-    its own positions for the prompt, the completion continuing them as text. Yields (input_ids, position_ids)."""
+def _whole_rows(model, mb: MicroBatch, packed: bool = False):
+    """The ids and positions for a forward over whole rows (prompt and completion) with their images, left-padded or
+    with `packed` end to end (`mb.packed`). A completion may hold the image placeholder token (a model may sample
+    it), which the sampler fed as a token (decoding feeds no pixels) and the model would take for one more image's
+    place: it enters as another id, and its own embedding is put back in its place by a hook on the embedding layer
+    (inside the model's forward, so FSDP has the weights gathered); the images fill only the prompt's placeholders.
+    A 3-D rotary model (mRoPE: `rope_positions`) runs at its own positions for the prompt, the completion continuing
+    them as text; they are computed on the padded layout and, packed, taken at the real tokens (in order, as
+    `mb.packed` lays them), behind the 1-D positions that tell transformers where each row starts ([4, 1, N]).
+    Yields (input_ids, position_ids)."""
     token = getattr(model.config, "image_token_id", None)
+    ids, positions = (mb.packed.ids, mb.packed.positions) if packed else (mb.input_ids, mb.position_ids)
     if not mb.images or token is None:
-        yield mb.input_ids, mb.position_ids
+        yield ids, positions
         return
     sampled = torch.zeros_like(mb.input_ids, dtype=torch.bool)
     if mb.width:  # a completion's columns are its targets' (their padding is pad_id, never an image token)
         sampled[:, -mb.width:] = mb.targets == token
     rope = rope_positions(model, mb.input_ids, mb.attention_mask, mb.images, sampled)
-    positions = mb.position_ids if rope is None else rope[0]
+    if packed:
+        real = mb.attention_mask.bool()
+        sampled = sampled[real].view(1, -1)
+        if rope is not None:
+            positions = torch.cat([positions[None], rope[0][:, real].unsqueeze(1).to(positions)])
+    elif rope is not None:
+        positions = rope[0]
     if not sampled.any():
-        yield mb.input_ids, positions
+        yield ids, positions
         return
 
     def put_back(module, args, out):
@@ -59,7 +91,7 @@ def _whole_rows(model, mb: MicroBatch):
 
     handle = model.get_input_embeddings().register_forward_hook(put_back)
     try:
-        yield mb.input_ids.masked_fill(sampled, 0 if token != 0 else 1), positions
+        yield ids.masked_fill(sampled, 0 if token != 0 else 1), positions
     finally:
         handle.remove()
 
@@ -68,33 +100,45 @@ def routed_logprobs(model, routing: "moe.Routing | None", mb: MicroBatch, temper
                     logits: bool = False, **kw) -> tuple[torch.Tensor, torch.Tensor | None, "moe.Record | None"]:
     """`token_logprobs` with the routers watched (an MoE model's `routing`; None: a dense model, no record): the
     record of the forward, and with `replay` the rows' recorded routes used where `mb.routed` says. `logits`: keep
-    the router logits (the load-balancing loss needs them). Always the full forward: the record's rows are the
-    micro-batch's [b, L] positions."""
+    the router logits (the load-balancing loss needs them). Always a whole-row forward (padded or padding-free, as
+    `kw`'s `packed` says): the record's rows are the micro-batch's [b, L] positions that forward ran
+    (`forward_positions`)."""
     if routing is None:
         return (*token_logprobs(model, mb, temperature, **kw), None)
     kw["share_prompts"] = False
     given = replay and mb.routes is not None
-    routes = mb.routes.flatten(0, 1) if given else None
-    with routing.capture(routes, mb.routed.flatten() if given else None, logits=logits) as record:
+    ran = forward_positions(mb, kw.get("packed", True)) if given else None
+    routes = mb.routes.flatten(0, 1)[ran] if given else None
+    with routing.capture(routes, mb.routed.flatten()[ran] if given else None, logits=logits) as record:
         logp, entropy = token_logprobs(model, mb, temperature, **kw)
     return logp, entropy, record
 
 
-def route_stats(mb: MicroBatch, record: "moe.Record", stats: StepStats, num_experts: int) -> None:
+def forward_positions(mb: MicroBatch, packed: bool = True) -> torch.Tensor:
+    """[b * L] bool: which positions of the padded layout (`mb.input_ids`, row-major) a whole-row forward of `mb`
+    runs, in its order: all of them padded; padding-free (`packed` and `mb.packed` set), the real tokens, which
+    `mb.packed` lays out in that order. What an MoE's router record's rows are."""
+    real = mb.attention_mask.flatten().bool()
+    return real if packed and mb.packed is not None else torch.ones_like(real)
+
+
+def route_stats(mb: MicroBatch, record: "moe.Record", stats: StepStats, num_experts: int, packed: bool = True) -> None:
     """A forward's routing statistics into `stats`, over the positions with sampler routes: how many (position,
     layer) pairs the forward sent to other experts than the sampler did (`moe/route_mismatch`: 0 under replay, by
     construction), and how many the trainer's routers would have (`moe/route_mismatch_unreplayed`: what replay
-    overrode; equal to the former without replay); and each expert's assignments over the real tokens."""
-    used, natural = record.last("used"), record.last("natural")  # [b * L, layers, k]
+    overrode; equal to the former without replay); and each expert's assignments over the real tokens. `packed`:
+    as the forward ran (`routed_logprobs`)."""
+    used, natural = record.last("used"), record.last("natural")  # [the forward's positions, layers, k]
+    ran = forward_positions(mb, packed)
     differ, pairs = (0.0, 0.0), 0.0  # added even so: every dp rank reduces the same names (a rank may have no rows)
     if mb.routes is not None:
-        routed = mb.routed.flatten().to(used.device)
-        given = mb.routes.flatten(0, 1).to(used.device)[routed]
+        routed = mb.routed.flatten()[ran].to(used.device)
+        given = mb.routes.flatten(0, 1)[ran].to(used.device)[routed]
         differ = tuple(float(moe.differs(r[routed], given).sum()) for r in (used, natural))
         pairs = float(routed.sum()) * used.shape[1]
     stats.add("moe/route_mismatch", differ[0], pairs)
     stats.add("moe/route_mismatch_unreplayed", differ[1], pairs)
-    stats.tally("moe/expert_counts", moe.expert_counts(used, mb.attention_mask.flatten(), num_experts))
+    stats.tally("moe/expert_counts", moe.expert_counts(used, mb.attention_mask.flatten()[ran], num_experts))
 
 
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float, with_entropy: bool,

@@ -24,7 +24,7 @@ from tandem.config import AlgoConfig, LoraConfig, OldLogprobs, OptimConfig
 from tandem.architectures import ModelProfile, profile
 from tandem.modeling import load_causal_lm
 from tandem.train.batch import MicroBatch, dummy_micro_batch
-from tandem.train.logprobs import route_stats, routed_logprobs
+from tandem.train.logprobs import forward_positions, route_stats, routed_logprobs
 from tandem.train.offload import Offloader
 from tandem.train.stats import StepStats
 
@@ -110,6 +110,10 @@ class Policy:
 
     `model_profile`: the policy's profile (tandem.architectures; resolved from `model_path` when not given).
 
+    `padding_free` (batch.padding_free): run micro-batches laid out padding-free (`MicroBatch.packed`) so, where the
+    profile packs (`padding_free` then says what this policy runs, and so how its micro-batches are laid out); a
+    teacher runs them so where its own profile packs too.
+
     `freeze_vision` (model.freeze_vision): a vision-language model's vision side (`ModelProfile.vision_side`) gets
     no gradients and no optimizer state. `frozen` names its weights wherever it does not train (frozen, or under
     LoRA, which adapts the language model only): weights that never change, which a weight sync sends once.
@@ -120,7 +124,7 @@ class Policy:
                  device: str | None = None, old_logprobs: OldLogprobs = OldLogprobs.RECOMPUTED,
                  lora: LoraConfig | None = None, seed: int = 0, expert_parallel: int = 1,
                  teacher_on_workers: bool = False, freeze_vision: bool = True,
-                 model_profile: ModelProfile | None = None):
+                 model_profile: ModelProfile | None = None, padding_free: bool = True):
         from tandem.train.parallel import parallelize
 
         self.algo, self.optim_cfg = algo, optim
@@ -142,6 +146,8 @@ class Policy:
         self.model.train()
         # see logprobs.token_logprobs: FSDP's hooks want one forward per backward
         self.share_prompts = self.mesh is None and bool(self.profile.prompts_once)
+        self.padding_free = padding_free and self.profile.packs
+        self.teacher_packs = padding_free and self.teacher_profile is not None and self.teacher_profile.packs
         self.expert_parallel = expert_parallel if self.mesh is not None else 1
         # fused weights' row orders, parameters with partial gradients
         self.tp = parallelize(self.model, self.mesh, self.profile, self.expert_parallel)
@@ -287,7 +293,8 @@ class Policy:
                 start = time.perf_counter()
                 mb.teacher_logprobs = routed_logprobs(
                     self.teacher, self.teacher_routing, mb, self.temperature,
-                    share_prompts=self.mesh is None and bool(self.teacher_profile.prompts_once))[0]
+                    share_prompts=self.mesh is None and bool(self.teacher_profile.prompts_once),
+                    packed=self.teacher_packs)[0]
                 teacher_s += time.perf_counter() - start
             elif self.distilling and mb.teacher_logprobs is None:
                 raise RuntimeError("algo.distill: the teacher runs on placement.teacher_workers, and this step's "
@@ -297,7 +304,7 @@ class Policy:
             elif self.old_logprobs is OldLogprobs.RECOMPUTED:
                 mb.old_logprobs, ent, record = routed_logprobs(
                     self.model, self.routing, mb, self.temperature, self.algo.router_replay, with_entropy=True,
-                    share_prompts=self.share_prompts)
+                    share_prompts=self.share_prompts, packed=self.padding_free)
                 self._first_pass_stats(mb, mb.old_logprobs, ent, stats, record)
             if self.uses_ref:
                 mb.ref_logprobs = self._ref_logprobs(mb)
@@ -316,17 +323,17 @@ class Policy:
         replay = self.algo.router_replay  # the reference on the same routes: its KL compares weights, not routings
         if self.lora is None:
             return routed_logprobs(self.ref, self.ref_routing, mb, self.temperature, replay,
-                                   share_prompts=self.share_prompts)[0]
+                                   share_prompts=self.share_prompts, packed=self.padding_free)[0]
         with self.lora.disable_adapter():  # the base model is the reference: its weights, no adapters
             return routed_logprobs(self.model, self.routing, mb, self.temperature, replay,
-                                   share_prompts=self.share_prompts)[0]
+                                   share_prompts=self.share_prompts, packed=self.padding_free)[0]
 
     def _first_pass_stats(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, stats: StepStats,
                           record: "moe.Record | None") -> None:
         """Stats of the policy that sampled the batch: entropy, trainer-vs-sampler logprob mismatch, and for an MoE
         its routing (`route_stats`)."""
         if record is not None:
-            route_stats(mb, record, stats, self.routing.num_experts)
+            route_stats(mb, record, stats, self.routing.num_experts, self.padding_free)
         diff = (logp.detach() - mb.sampler_logprobs).abs() * mb.mask
         if self.distilling:  # k1's estimate of the reverse KL(policy || teacher), per token (every rank)
             stats.add("distill/reverse_kl", float(((logp.detach() - mb.teacher_logprobs) * mb.mask).sum()), mb.tokens)
@@ -379,7 +386,7 @@ class Policy:
         logp, ent, record = routed_logprobs(
             self.model, self.routing, mb, self.temperature, a.router_replay, logits=self.aux_coef > 0,
             with_entropy=first_pass or a.entropy_coef > 0, entropy_grad=a.entropy_coef > 0,
-            share_prompts=self.share_prompts)
+            share_prompts=self.share_prompts, packed=self.padding_free)
         if first_pass:
             self._first_pass_stats(mb, logp, ent.detach(), stats, record)
         adv = mb.advantages(advantages)
@@ -391,7 +398,8 @@ class Policy:
                                        ref_logp=mb.ref_logprobs, entropy=ent)
         loss = AGGREGATIONS[a.loss_agg](loss_tok, mb.mask, total_tokens, total_seqs, self.max_completion_tokens)
         if self.aux_coef > 0:  # each micro-batch's share of the mini-batch's tokens, as token_mean weighs it
-            aux = moe.load_balancing_loss(record, mb.attention_mask, self.routing.num_experts)
+            real = mb.attention_mask.flatten()[forward_positions(mb, self.padding_free)]  # the record's rows
+            aux = moe.load_balancing_loss(record, real, self.routing.num_experts)
             loss = loss + self.aux_coef * aux * (mb.tokens / max(total_tokens, 1))
             stats.add("moe/aux_loss", float(aux.detach()) * mb.tokens, mb.tokens)
         # FSDP averages gradients over dp, but each rank's loss is already its share of the global loss (global

@@ -119,7 +119,8 @@ def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
 class TeacherWorker:
     """One Ray worker of a distillation teacher (`placement.teacher_workers`): the teacher's logprob of every
     sampled token of its share of a step, at the sampling temperature, laid out as the trainers lay out their
-    micro-batches (the prompt-once layout where its architecture allows)."""
+    micro-batches (the prompt-once layout where its architecture allows, padding-free where it packs and
+    batch.padding_free is on)."""
 
     def __init__(self, cfg: Config, ctx: WorkerContext | None = None):
         ctx = ctx or WorkerContext()
@@ -134,16 +135,18 @@ class TeacherWorker:
         self.temperature = t if t > 0 else 1.0  # as the policy scores (Policy.temperature)
         self.budget = cfg.batch.micro_batch_tokens
         self.share_prompts = bool(teacher_profile.prompts_once)
+        self.padding_free = cfg.batch.padding_free and teacher_profile.packs
 
     @torch.no_grad()
     def logprobs(self, samples: Samples) -> tuple[list[list[float]], float]:
         """Each row's teacher logprobs, one per completion token, and the seconds they took."""
         start = time.perf_counter()
         out: list[list[float]] = [[] for _ in range(len(samples))]
-        for mb in make_micro_batches(samples, self.budget, self.pad_id, by_prompt=self.share_prompts):
+        for mb in make_micro_batches(samples, self.budget, self.pad_id, by_prompt=self.share_prompts,
+                                     packed=self.padding_free):
             mb.to(self.device)
-            logp = routed_logprobs(self.teacher, self.routing, mb, self.temperature,
-                                   share_prompts=self.share_prompts)[0].float().cpu()
+            logp = routed_logprobs(self.teacher, self.routing, mb, self.temperature, share_prompts=self.share_prompts,
+                                   packed=self.padding_free)[0].float().cpu()
             for k, i in enumerate(mb.rows):  # right-aligned: a row's completion is its last tokens
                 width = len(samples.completions[i].completion_ids)
                 out[i] = logp[k, logp.shape[1] - width:].tolist()

@@ -71,7 +71,8 @@ class TrainWorker:
                              old_logprobs=cfg.old_logprobs, lora=cfg.lora, seed=cfg.run.seed,
                              expert_parallel=cfg.placement.expert_parallel,
                              teacher_on_workers=cfg.placement.teacher_workers > 0,
-                             freeze_vision=cfg.model.freeze_vision, model_profile=self.profile)
+                             freeze_vision=cfg.model.freeze_vision, model_profile=self.profile,
+                             padding_free=cfg.batch.padding_free)
         # What the engines load: vLLM (in process or a server) takes the checkpoint's tensors by the checkpoint's
         # names (an MoE's experts one by one, cut from the trainer's fused ones); the hf engine is the trainer's own
         # transformers class and takes its names as they are.
@@ -116,7 +117,8 @@ class TrainWorker:
                 continue
             mine = [rows[k] for k in balance([lengths[i] for i in rows], self.dp_size)[self.dp_rank]]
             minis.append(make_micro_batches(samples, b.micro_batch_tokens, self.pad_id, mine,
-                                            by_prompt=self.policy.share_prompts) if mine else [])
+                                            by_prompt=self.policy.share_prompts,
+                                            packed=self.policy.padding_free) if mine else [])
         return minis
 
     def train(self, advantages: torch.Tensor, diagnose: Callable[[], str] | None = None) -> dict[str, float]:

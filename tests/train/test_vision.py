@@ -15,6 +15,7 @@ from PIL import Image as PILImage
 from tandem.data.images import Image
 from tandem.data.sources import Prompt
 from tandem.run.vision import VisionPrompts
+from tandem.architectures import profile_of
 from tandem.modeling import load_causal_lm, load_processor
 from tandem.rollout.base import Sampling
 from tandem.rollout.hf import HFEngine
@@ -45,9 +46,10 @@ def _sampled(vlm: Path, prompts: list[Prompt], vision: VisionPrompts) -> Samples
     return Samples.of_call(comps, len(prompts))
 
 
-def test_engine_and_trainer_agree_on_image_prompts_in_both_layouts(vlm):
-    """The sampler's logprob of every sampled token equals the trainer's, per row and prompt-once (where the
-    picture runs once per group) within 1e-5, and the two layouts give the same gradients. The first two prompts
+def test_engine_and_trainer_agree_on_image_prompts_in_every_layout(vlm):
+    """The sampler's logprob of every sampled token equals the trainer's, per row, prompt-once (where the
+    picture runs once per group) and padding-free (the rows end to end, pictures in order) within 1e-5, and the
+    layouts give the same gradients. The first two prompts
     have the same ids and other pictures: prompt-once keeps them apart (3 distinct prompts). Red if the engine or a
     layout dropped the images (the pictures change the logprobs: checked), or prompts were told apart by ids
     alone."""
@@ -56,9 +58,10 @@ def test_engine_and_trainer_agree_on_image_prompts_in_both_layouts(vlm):
     assert prompts[0].ids == prompts[1].ids and len(prompts[0].ids) > 4  # the picture's tokens are expanded
     samples = _sampled(vlm, prompts, vision)
     model = load_causal_lm(vlm)
+    assert profile_of(model).packs
     grads = []
-    for share in (False, True):
-        (mb,) = make_micro_batches(samples, 4096, 0, by_prompt=share)
+    for share, packed in ((False, False), (True, False), (False, True)):
+        (mb,) = make_micro_batches(samples, 4096, 0, by_prompt=share, packed=packed)
         if share:
             assert int(mb.shared.of_row.max()) + 1 == 3
         model.zero_grad()
@@ -66,9 +69,11 @@ def test_engine_and_trainer_agree_on_image_prompts_in_both_layouts(vlm):
         assert ((logp.detach() - mb.sampler_logprobs).abs() * mb.mask).max() < 1e-5
         (logp * mb.mask).sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and any("vision" in n for n in grads[0])
-    for name, g in grads[0].items():
-        assert (g - grads[1][name]).abs().max() < 1e-5 * max(1.0, float(g.abs().max())), name
+    assert any("vision" in n for n in grads[0])
+    for other in grads[1:]:
+        assert grads[0].keys() == other.keys()
+        for name, g in grads[0].items():
+            assert (g - other[name]).abs().max() < 1e-5 * max(1.0, float(g.abs().max())), name
     # the pictures matter: the same tokens after the blue picture instead of the red one
     blue = samples.completions[4].images  # the second prompt's (rows 4-7)
     swapped = Samples([dataclasses.replace(c, images=blue) if c.prompt_index == 0 else c
@@ -132,28 +137,30 @@ def test_a_run_on_a_vision_model_trains_evaluates_and_saves_its_processor(vlm, t
 
 def test_a_sampled_image_placeholder_is_trained_on_as_a_token(vlm):
     """A completion that holds the image placeholder token (an untrained model samples it) is a token, as the sampler
-    fed it, in both layouts: prompt-once runs the prompt with its picture and the completion after it; the forward
-    over whole rows (FSDP's) enters it as its own embedding, not as one more image's place. The two agree, logprobs
-    and gradients within 1e-5. Red if the whole-row forward let the model count it as an image's place (it fails:
-    more places than image features)."""
+    fed it, in every layout: prompt-once runs the prompt with its picture and the completion after it; the forward
+    over whole rows (FSDP's), padded or padding-free, enters it as its own embedding, not as one more image's place.
+    The three agree, logprobs and gradients within 1e-5. Red if the whole-row forward let the model count it as an
+    image's place (it fails: more places than image features)."""
     vision = VisionPrompts(load_processor(vlm), chat_template=False, system_prompt="")
     prompts = _prompts(vision)[:2]
     placeholder = vision.processor.tokenizer.convert_tokens_to_ids("<image>")
     comps = [Completion(p.ids, [placeholder, 5, placeholder][:2 + j], [0.0] * (2 + j), "", "stop", k,
                         images=vision.images(p)) for k, p in enumerate(prompts) for j in range(2)]
     model, results = load_causal_lm(vlm), []
-    for share in (True, False):
-        (mb,) = make_micro_batches(Samples.of_call(comps, 2), 4096, 0, by_prompt=share)
+    for share, packed in ((True, False), (False, False), (False, True)):
+        (mb,) = make_micro_batches(Samples.of_call(comps, 2), 4096, 0, by_prompt=share, packed=packed)
         assert (mb.shared is not None) == share
         model.zero_grad()
         logp, _ = token_logprobs(model, mb, 1.0, share_prompts=share)
         (logp * mb.mask).sum().backward()
         results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    (once, once_grads), (rows, row_grads) = results
-    assert torch.isfinite(once).all() and (once - rows).abs().max() < 1e-5
-    assert once_grads.keys() == row_grads.keys()
-    for name, g in once_grads.items():
-        assert (g - row_grads[name]).abs().max() < 1e-5 * max(1.0, float(g.abs().max())), name
+    (once, once_grads) = results[0]
+    assert torch.isfinite(once).all()
+    for rows, row_grads in results[1:]:  # the whole rows padded, then padding-free
+        assert (once - rows).abs().max() < 1e-5
+        assert once_grads.keys() == row_grads.keys()
+        for name, g in once_grads.items():
+            assert (g - row_grads[name]).abs().max() < 1e-5 * max(1.0, float(g.abs().max())), name
 
 
 def test_a_vision_models_weights_are_known_before_it_loads(vlm):

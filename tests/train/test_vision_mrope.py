@@ -93,13 +93,14 @@ def test_the_processor_loads_without_torchvision_and_image_markers_become_qwens(
     assert list(images.engine_ids) == [start, pad, end] + processor.tokenizer.encode("Colour:")
 
 
-def test_prompt_once_equals_per_row_at_the_models_own_3d_positions(qwen_vlm, monkeypatch):
-    """Three prompts with pictures of two grids, three completions each: the per-row forward and the prompt-once one
-    (each picture and prompt run once) give the logprobs of the model's own forward over each row alone, and the same
-    gradients, within 1e-5. Red if either layout ran 1-D positions: they move these logprobs by more than 1e-3
-    (checked here with the positions flattened)."""
+def test_prompt_once_and_padding_free_equal_per_row_at_the_models_own_3d_positions(qwen_vlm, monkeypatch):
+    """Three prompts with pictures of two grids, three completions each: the per-row forward, the prompt-once one
+    (each picture and prompt run once) and the padding-free one (the rows end to end, their 3-D positions gathered from
+    the padded layout's) give the logprobs of the model's own forward over each row alone, and the same gradients,
+    within 1e-5. Red if any layout ran 1-D positions: they move these logprobs by more than 1e-3 (checked here with
+    the positions flattened)."""
     model = load_causal_lm(qwen_vlm)
-    assert profile_of(model).prompts_once == "kv"
+    assert profile_of(model).prompts_once == "kv" and profile_of(model).packs
     vision = VisionPrompts(load_processor(qwen_vlm), chat_template=False, system_prompt="")
     prompts = _prompts(vision)
     samples = _samples(prompts, vision)
@@ -107,28 +108,32 @@ def test_prompt_once_equals_per_row_at_the_models_own_3d_positions(qwen_vlm, mon
     with torch.no_grad():  # (the model's own forward would take a sampled image token for an image's place)
         native = [None if pad in c.completion_ids else _native(model, prompts[c.prompt_index], c.completion_ids, vision)
                   for c in samples.completions]
+    layouts = {"rows": {}, "once": {"by_prompt": True}, "packed": {"packed": True}}
     results = {}
-    for share in (False, True):
-        (mb,) = make_micro_batches(samples, 4096, 0, by_prompt=share)
-        assert not share or int(mb.shared.of_row.max()) + 1 == 3  # the same ids over two pictures: two prompts
+    for layout, how in layouts.items():
+        (mb,) = make_micro_batches(samples, 4096, 0, **how)
+        assert layout != "once" or int(mb.shared.of_row.max()) + 1 == 3  # the same ids over two pictures: two prompts
         model.zero_grad()
-        logp, _ = token_logprobs(model, mb, 1.0, share_prompts=share)
+        logp, _ = token_logprobs(model, mb, 1.0, share_prompts=layout == "once")
         (logp * mb.mask).sum().backward()
-        results[share] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[layout] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         for row, want in ((row, want) for row, want in zip(logp.detach(), native) if want is not None):
-            assert (row[row.shape[0] - len(want):] - want).abs().max() < 1e-5, f"share_prompts={share}"
-    (rows, row_grads), (once, once_grads) = results[False], results[True]
-    assert (rows - once).abs().max() < 1e-5
-    assert row_grads.keys() == once_grads.keys() and any("visual" in n for n in row_grads)
-    for name, g in row_grads.items():
-        assert (g - once_grads[name]).abs().max() < 1e-5 * max(1.0, float(g.abs().max())), name
+            assert (row[row.shape[0] - len(want):] - want).abs().max() < 1e-5, layout
+    rows, row_grads = results["rows"]
+    assert any("visual" in n for n in row_grads)
+    for layout in ("once", "packed"):
+        logp, grads = results[layout]
+        assert (rows - logp).abs().max() < 1e-5, layout
+        assert row_grads.keys() == grads.keys(), layout
+        for name, g in row_grads.items():
+            assert (g - grads[name]).abs().max() < 1e-5 * max(1.0, float(g.abs().max())), (layout, name)
     # flattened: each layout's 1-D positions, as a model without mRoPE would run them
     monkeypatch.setattr(logprobs, "rope_positions", lambda *a, **k: None)
     with torch.no_grad():
-        for share in (False, True):
-            (mb,) = make_micro_batches(samples, 4096, 0, by_prompt=share)
-            flat = token_logprobs(model, mb, 1.0, share_prompts=share)[0]
-            assert ((flat - results[share][0]).abs() * mb.mask).max() > 1e-3, f"share_prompts={share}"
+        for layout, how in layouts.items():
+            (mb,) = make_micro_batches(samples, 4096, 0, **how)
+            flat = token_logprobs(model, mb, 1.0, share_prompts=layout == "once")[0]
+            assert ((flat - results[layout][0]).abs() * mb.mask).max() > 1e-3, layout
 
 
 def test_the_hf_engine_samples_at_3d_positions(qwen_vlm):
