@@ -12,10 +12,11 @@ BPE; built here, no download).
 The policy update is measured through tandem's trainer as a run drives it: a `TrainWorker` per layout
 (`batch.padding_free=false`, today's left-padded micro-batches, and `true`, each micro-batch's rows end to end),
 `prepare` (the reference's logprob pass: KL 0.04, k3) then `train` (the policy's forward, the token-mean clipped loss,
-backward, the AdamW step), on the same samples and advantages, the layouts alternating step by step. Each layout's
-figures: completion tokens trained per second (median step), and the peak bytes of tensors alive during a further,
-untimed step (bench/bench_memory.py's meter: weights, gradients, AdamW state and the reference, plus the peak of
-what the step allocates; on a GPU the allocator's peak).
+backward, the AdamW step), on the same samples and advantages, the layouts alternating step by step. A Qwen2 in one
+process also has the prompt-once layout: each micro-batch keeps it where it runs fewer positions. Each layout's
+figures: its micro-batches and the token positions their forwards run, completion tokens trained per second (median
+step), and the peak bytes of tensors alive during a further, untimed step (bench/bench_memory.py's meter: weights,
+gradients, AdamW state and the reference, plus the peak of what the step allocates; on a GPU the allocator's peak).
 
 TRL (where installed, `--no-trl` to leave it out): its GRPOTrainer on the same model, prompts and completions, in a
 child process. TRL 1.16 has no padding-free option for GRPO (GRPOConfig has no `padding_free`), and its
@@ -118,6 +119,23 @@ def update_peak(worker, samples, advantages: torch.Tensor) -> int:
     return max(meter.rows.values())
 
 
+def positions_run(worker, samples) -> tuple[int, int]:
+    """(micro-batches, token positions their forwards run) of the step as this worker lays it out: each micro-batch
+    in the layout it runs (prompt-once where it kept it, else packed, else padded)."""
+    from tandem.train.batch import make_micro_batches
+
+    p = worker.policy
+    mbs = make_micro_batches(samples, worker.cfg.batch.micro_batch_tokens, worker.pad_id, by_prompt=p.share_prompts,
+                             packed=p.padding_free)
+    total = 0
+    for mb in mbs:
+        if mb.shared is not None:
+            total += mb.shared.ids.numel() + sum(len(rows) * width for rows, width in mb.shared.buckets)
+        else:
+            total += mb.packed.ids.numel() if mb.packed is not None else mb.input_ids.numel()
+    return len(mbs), total
+
+
 def run_tandem(model: Path, step: dict, args, work: Path) -> dict[str, dict]:
     """Each layout's step times (alternating layouts, warm-up left out) and its peak memory on a further step."""
     samples = samples_of(step, args.group)
@@ -130,8 +148,8 @@ def run_tandem(model: Path, step: dict, args, work: Path) -> dict[str, dict]:
             seconds = update_seconds(workers[label], samples, advantages)
             if k >= args.warmup:
                 times[label].append(seconds)
-    return {label: {"times": times[label], "peak": update_peak(w, samples, advantages)}
-            for label, w in workers.items()}
+    return {label: {"times": times[label], "peak": update_peak(w, samples, advantages),
+                    "layout": positions_run(w, samples)} for label, w in workers.items()}
 
 
 # ---------------------------------------------------------------------------------------------- TRL child
@@ -192,7 +210,8 @@ def run_trl(model: Path, step: dict, args, out: Path) -> dict:
     if any(t != given for t in timer.tokens):
         raise RuntimeError(f"TRL trained {timer.tokens} completion tokens per step, not the step's {given}")
     phases = timer.phases()[args.warmup:total - 1]
-    return {"times": [p["logprobs"] + p["update"] for p in phases], "peak": max(peak), "rows": rows, "width": width}
+    return {"times": [p["logprobs"] + p["update"] for p in phases], "peak": max(peak), "rows": rows, "width": width,
+            "layout": (n // rows, n * width)}
 
 
 def _meter_last_step(trainer, timer, total: int) -> list[int]:
@@ -248,17 +267,18 @@ def quick_shape() -> Workload:
 
 
 def print_table(step: dict, results: dict[str, dict]) -> None:
-    """One row per layout (and TRL): median update seconds, completion tokens trained per second, peak MB, ratios
-    to the padded layout."""
+    """One row per layout (and TRL): micro-batches and the token positions their forwards run, median update seconds,
+    completion tokens trained per second, peak MB, ratios to the padded layout."""
     trained = sum(map(len, step["completions"]))
     base = results["padded"]
-    print(f"\n{'layout':<10}{'update s':>10}{'compl tok/s':>13}{'peak MB':>10}{'x padded tok/s':>16}"
-          f"{'x padded peak':>15}")
+    print(f"\n{'layout':<10}{'micro':>6}{'positions':>10}{'update s':>10}{'compl tok/s':>13}{'peak MB':>10}"
+          f"{'x padded tok/s':>16}{'x padded peak':>15}")
     for label, r in results.items():
         s = statistics.median(r["times"])
         ratio = statistics.median(base["times"]) / s
-        print(f"{label:<10}{s:>10.3f}{trained / s:>13.0f}{r['peak'] / MB:>10.1f}{ratio:>16.2f}"
-              f"{r['peak'] / base['peak']:>15.2f}")
+        micro, positions = r["layout"]
+        print(f"{label:<10}{micro:>6}{positions:>10}{s:>10.3f}{trained / s:>13.0f}{r['peak'] / MB:>10.1f}"
+              f"{ratio:>16.2f}{r['peak'] / base['peak']:>15.2f}")
     speedup = statistics.median(base["times"]) / statistics.median(results["packed"]["times"])
     print(f"packed / padded throughput: {speedup:.2f}x ({'meets' if speedup >= 1.5 else 'misses'} the 1.5x target)")
 
