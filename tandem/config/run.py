@@ -153,7 +153,8 @@ class DataConfig(Section):
     )
     eval_path: str = Field(
         "", description="Held-out data, in any form `path` takes (for gsm8k: test.jsonl). Empty: the built-in "
-        "tasks' (arithmetic, multiply, long_tail) own held-out splits; for a dataset with splits at `path`, its `eval_split`; "
+        "tasks' (arithmetic, multiply, long_tail) own held-out splits; for a dataset with splits at `path`, its "
+        "`eval_split`; "
         "otherwise (a file, or a dataset with no test or validation split) the first eval_size training prompts, "
         "with a warning: scores on them measure memorization as much as skill.",
     )

@@ -3,7 +3,8 @@
 One module per demo, highest first (pyproject.toml's contract on `tandem.demo`): `catalog` (the models by the names
 presets give them, and `demo_model`); `teacher` (the GRPO-trained model); `families` (the arithmetic model as a
 Qwen3-MoE and a Qwen3.5), `tools`, `long_tail` (the long-tail demo's), `reward` (the reward model), `vision`,
-`qwen_vision`; `arithmetic` (the dense model, warm-started on sums); `common` (the shape, tokenizer, loss and cache they share). What callers use is here."""
+`qwen_vision`; `arithmetic` (the dense model, warm-started on sums); `common` (the shape, tokenizer, loss and cache
+they share). What callers use is here."""
 from tandem.demo.arithmetic import (DEMO_DEFAULTS, DemoModelSpec, arithmetic_model, greedy_answers,  # noqa: F401
                                     sampled_agreement, sampled_answers, teacher_answer, warm_start)
 from tandem.demo.catalog import DEMO_MODELS, DEMO_REWARD_MODELS, demo_model  # noqa: F401
