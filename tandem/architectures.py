@@ -193,6 +193,9 @@ class ModelProfile:
     routers: tuple[tuple[str, str], ...] = ()  # (router class, tandem.moe weighing) of an MoE
     sliding_window: bool = False  # layers attending to a window of the last positions only
     linear_attention: bool = False  # layers with a recurrent state in place of a KV cache (Qwen3.5's Gated DeltaNet)
+    attention_heads: int = 0  # query heads per attention layer (0: config.json does not say)
+    kv_heads: int = 0  # key/value heads (fewer than attention_heads under GQA)
+    latent_attention: bool = False  # DeepSeek's multi-head latent attention (config.json's kv_lora_rank)
     vllm_config_found: tuple[tuple[str, object], ...] = ()  # config.json's values of `Support.vllm_config`'s keys
     path: str = ""  # the folder it was read from ("" for a live model's config)
 
@@ -297,6 +300,9 @@ def resolve(config: dict, path: str = "") -> ModelProfile:
         prompts_once=_prompts_once(s, text, text_type), experts=int(text.get(key) or 0) if key else 0,
         decodes_prompt_once=bool(s and s.decodes_prompt_once) and not windowed and text.get("pretraining_tp", 1) == 1,
         expert_key=key, routers=s.routers if s is not None else (), sliding_window=windowed, linear_attention=linear,
+        attention_heads=int(text.get("num_attention_heads") or 0),
+        kv_heads=int(text.get("num_key_value_heads") or text.get("num_attention_heads") or 0),
+        latent_attention=text.get("kv_lora_rank") is not None,
         vllm_config_found=tuple((k, text.get(k)) for k, _ in (s.vllm_config if s is not None else ())), path=path,
         **parts)
 
@@ -373,6 +379,21 @@ def _vision(setting: str, cfg_asks: Callable[[Any], bool], fix: Callable[[Any], 
         column=column)
 
 
+def _beyond_ulysses(p: ModelProfile) -> str:
+    """What in a model context parallel's attention does not cover yet (`tandem.train.context_parallel`)."""
+    if p.images:
+        return "a vision tower (its image tokens would need splitting with the sequence)"
+    if p.linear_attention:
+        return "linear-attention layers (a recurrent state along the sequence, not split by heads)"
+    if p.latent_attention:
+        return "multi-head latent attention (not tested under Ulysses)"
+    if p.moe:
+        return "experts (router statistics and replay over a split sequence are not done)"
+    if p.support is None:
+        return "no padding-free forward tandem has checked (an architecture outside the model zoo)"
+    return f"no padding-free forward ({p.support.no_packing})"
+
+
 def _dense(p: ModelProfile) -> str:
     return (f"{p.support.name} ({p.model_type!r}), a dense model" if p.support is not None
             else f"{p.model_type!r}, an architecture outside the model zoo")
@@ -435,6 +456,21 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg, p: (
                 f"placement.expert_parallel: {cfg.placement.expert_parallel} does not divide the model's "
                 f"{p.expert_key}={p.experts} (model.path {cfg.model.path}); pick a divisor of {p.experts}")),
+    Refusal("`placement.context_parallel` > 1", lambda p: bool(p.moe or p.linear_attention or p.images
+                                                              or p.latent_attention or not p.packs),
+            lambda cfg, p: cfg.placement.context_parallel > 1, lambda cfg, p: (
+                f"placement.context_parallel: {cfg.placement.context_parallel}, but model.path is {p.name} "
+                f"({p.model_type!r}), which has {_beyond_ulysses(p)}; context parallel (Ulysses) covers dense "
+                "models with softmax attention so far: set placement.context_parallel: 1"),
+            column="CP", note=_beyond_ulysses),
+    Refusal("`placement.context_parallel` not dividing the attention heads", lambda p: p.attention_heads > 0,
+            lambda cfg, p: cfg.placement.context_parallel > 1
+            and (p.attention_heads // cfg.placement.tensor_parallel) % cfg.placement.context_parallel > 0,
+            lambda cfg, p: (
+                f"placement.context_parallel: {cfg.placement.context_parallel} does not divide the model's "
+                f"{p.attention_heads // cfg.placement.tensor_parallel} attention heads per tensor-parallel rank "
+                f"(num_attention_heads={p.attention_heads} / placement.tensor_parallel="
+                f"{cfg.placement.tensor_parallel}): Ulysses gives each cp rank whole heads; pick a divisor")),
     Refusal("`rollout.engine: vllm` on a machine without a GPU", lambda p: bool(p.support and p.support.cpu_vllm),
             lambda cfg, p: cfg.rollout.engine == "vllm" and _cpu_only(), lambda cfg, p: (
                 f"model.path is {p.name} ({p.model_type!r}) and rollout.engine: vllm on a machine without a GPU: "
@@ -457,11 +493,11 @@ def _nominal(kind: str, s: Support) -> ModelProfile:
     return resolve(config)
 
 
-_COLUMNS = ("hf step", "hf stream", "vLLM sync", "FSDP", "TP", "images")
+_COLUMNS = ("hf step", "hf stream", "vLLM sync", "FSDP", "TP", "CP", "images")
 
 
 def support_table() -> str:
-    """The README's table of architectures x (hf step, hf stream, vLLM sync, FSDP, TP, images): a column says "no"
+    """The README's table of architectures x (hf step, hf stream, vLLM sync, FSDP, TP, CP, images): a column says "no"
     (or what a refusal's `cell` says) with a footnote where a `Refusal` of the entry's family names that column; and
     what the columns cannot say: an MoE under TP, what a vision-language model's images reach."""
     notes: list[str] = []

@@ -24,7 +24,18 @@ class PlacementConfig(Section):
     workers: int = Field(1, ge=1, description="Colocated (hybrid) workers: one process per device.")
     tensor_parallel: int = Field(
         1, ge=1, description="Training tensor-parallel degree inside the training workers (DTensor); the rest is "
-        "FSDP2 data parallel, so workers (or train_workers) = dp x tensor_parallel.",
+        "FSDP2 data parallel, so workers (or train_workers) = dp x tensor_parallel (x context_parallel).",
+    )
+    context_parallel: int = Field(
+        1, ge=1, description="Training context-parallel degree (Ulysses): each micro-batch's packed sequence is "
+        "split into this many contiguous chunks, one per training worker of a group; each worker runs its chunk, "
+        "and attention exchanges sequence for heads by all-to-all so every head attends over the whole sequence "
+        "(each row to itself, causally). Long rows then fit where one worker's activations would not. Workers (or "
+        "train_workers) = dp x context_parallel x tensor_parallel; FSDP2 shards over dp x context_parallel. Needs "
+        "batch.padding_free: true, and the model's attention heads per tensor-parallel rank divisible by it (KV "
+        "heads that are not are copied to each rank's query heads: more traffic, same result). Dense models with "
+        "full or sliding-window softmax attention only: mixtures of experts, linear attention (Qwen3.5), "
+        "vision-language models and LoRA are refused with it. 1 = off.",
     )
     expert_parallel: int = Field(
         1, ge=1, description="Training expert-parallel degree for a mixture of experts: each MoE layer's experts "

@@ -236,6 +236,27 @@ def _model_workers(cfg: Config) -> None:
                               f"placement.{field}=0")
 
 
+def _context_parallel(cfg: Config, trainers: int) -> None:
+    """What placement.context_parallel needs beside the model (whose heads and layers `tandem.architectures` checks)."""
+    pl = cfg.placement
+    cp = pl.context_parallel
+    if cp == 1:
+        return
+    field = "workers" if pl.mode == "colocate" else "train_workers"
+    if trainers % (cp * pl.tensor_parallel):
+        raise ConfigError(f"placement.context_parallel: {cp} x tensor_parallel: {pl.tensor_parallel} does not divide "
+                          f"placement.{field}={trainers}; training workers form a dp x cp x tp mesh")
+    if not cfg.batch.padding_free:
+        raise ConfigError(f"placement.context_parallel: {cp} splits each micro-batch's rows laid end to end; set "
+                          "batch.padding_free: true")
+    if pl.expert_parallel > 1:
+        raise ConfigError(f"placement.context_parallel: {cp} with placement.expert_parallel: {pl.expert_parallel}: "
+                          "context parallel runs dense models only so far; set one of them to 1")
+    if cfg.lora.enabled:
+        raise ConfigError(f"placement.context_parallel: {cp} with lora.enabled is not tested yet; set "
+                          "placement.context_parallel: 1 (FSDP shards the base weights) or lora.enabled: false")
+
+
 def _placement(cfg: Config) -> None:
     """Where the workers run, and what the engines and adapters need of that."""
     pl = cfg.placement
@@ -249,6 +270,7 @@ def _placement(cfg: Config) -> None:
         field = "workers" if pl.mode == "colocate" else "train_workers"
         raise ConfigError(f"placement.tensor_parallel: {pl.tensor_parallel} does not divide placement.{field}="
                           f"{trainers}; training workers form a dp x tp mesh")
+    _context_parallel(cfg, trainers)
     if trainers % pl.expert_parallel:
         field = "workers" if pl.mode == "colocate" else "train_workers"
         raise ConfigError(f"placement.expert_parallel: {pl.expert_parallel} does not divide placement.{field}="

@@ -358,7 +358,9 @@ def dtensor_shards(shape: Sequence[int], mesh_ranks: torch.Tensor, placements: S
 def _on_root_mesh(t) -> tuple[torch.Tensor, list]:
     """A DTensor's ranks and placements on the mesh its mesh was sliced from: FSDP2 over a (dp, tp) mesh puts
     parameters TP leaves alone on mesh["dp"] only, which says nothing of the copies on the other tp ranks; on the
-    root mesh they are Replicate, so every rank derives the same layout."""
+    root mesh they are Replicate, so every rank derives the same layout. A flattened dimension of the root (context
+    parallel's "dp_cp", named as torch's `_flatten` names one: its dimensions joined by "_") stands for the root's
+    dimensions it joins, in their order."""
     from torch.distributed.tensor import Replicate
 
     mesh = t.device_mesh
@@ -366,11 +368,14 @@ def _on_root_mesh(t) -> tuple[torch.Tensor, list]:
     if root is mesh:
         return mesh.mesh, list(t.placements)
     names, sub = root.mesh_dim_names or (), mesh.mesh_dim_names or ()
-    if not sub or any(n not in names for n in sub):
+    joined = [n.split("_") if n not in names else [n] for n in sub]
+    if not sub or any(part not in names for parts in joined for part in parts):
         raise ValueError(f"cannot place sub-mesh {sub} in its root mesh {names}: name the mesh dimensions")
-    dims = [names.index(n) for n in sub]
-    others = [d for d in range(root.mesh.dim()) if d not in dims]
-    return root.mesh.permute(others + dims), [Replicate()] * len(others) + list(t.placements)
+    dims = [[names.index(part) for part in parts] for parts in joined]
+    flat = [d for ds in dims for d in ds]
+    others = [d for d in range(root.mesh.dim()) if d not in flat]
+    shape = [root.mesh.shape[d] for d in others] + [math.prod(root.mesh.shape[d] for d in ds) for ds in dims]
+    return root.mesh.permute(others + flat).reshape(shape), [Replicate()] * len(others) + list(t.placements)
 
 
 def layout_from_dtensors(named: Mapping[str, torch.Tensor],

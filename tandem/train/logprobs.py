@@ -6,17 +6,19 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from transformers.cache_utils import LinearAttentionLayer
 
 from tandem import moe
 from tandem.algo import entropy_from_logprobs
 from tandem.modeling import rope_positions
+from tandem.train import context_parallel
 from tandem.train.batch import MicroBatch
 from tandem.train.stats import StepStats
 
 
 def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False,
-                   share_prompts: bool = False, packed: bool = True):
+                   share_prompts: bool = False, packed: bool = True, context_group: "dist.ProcessGroup | None" = None):
     """log pi(target) for the completion tokens of `mb` [b, T], and their entropies when asked (with a
     gradient only when an entropy bonus needs one).
 
@@ -29,28 +31,43 @@ def token_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool
     row's positions restarting at 0 (transformers confines attention to a row from those), the LM head on the
     positions that predict a completion token only; their logprobs are put in their [b, T] places (zeros elsewhere).
     `packed` False: the padded forward even so (a model whose profile does not pack, scoring micro-batches laid out
-    for one that does: a teacher of another architecture).
+    for one that does: a teacher of another architecture). With `context_group` (context parallel: a model set up by
+    `context_parallel.use`) this rank runs its chunk of the padding-free sequence and the results are summed over
+    the group, the whole micro-batch's on every rank.
     """
     if share_prompts and mb.shared is not None:
         return _shared_prompt_logprobs(model, mb, temperature, with_entropy, entropy_grad)
     if packed and mb.packed is not None:
-        return _packed_logprobs(model, mb, temperature, with_entropy, entropy_grad)
+        return _packed_logprobs(model, mb, temperature, with_entropy, entropy_grad, context_group)
+    if context_group is not None:
+        raise RuntimeError("context parallel runs padding-free micro-batches (MicroBatch.packed): set "
+                           "batch.padding_free: true")
     with _whole_rows(model, mb) as (input_ids, position_ids):
         out = model(input_ids=input_ids, attention_mask=mb.attention_mask, position_ids=position_ids,
                     use_cache=False, logits_to_keep=mb.width + 1, **mb.images)
     return _logprobs(out.logits[:, :-1, :], mb.targets, mb.mask, temperature, with_entropy, entropy_grad)
 
 
-def _packed_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
+def _packed_logprobs(model, mb: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool,
+                     context_group: "dist.ProcessGroup | None" = None):
     """`token_logprobs` on the padding-free layout (`mb.packed`): the K kept logits against their targets, scattered
-    into zeros [b, T] (differentiably: each kept logit's gradient comes back from its place)."""
+    into zeros [b, T] (differentiably: each kept logit's gradient comes back from its place); under context
+    parallel, this rank's kept logits, then the sum over `context_group`."""
     p, (b, T) = mb.packed, mb.targets.shape
-    with _whole_rows(model, mb, packed=True) as (input_ids, position_ids):
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
-                    logits_to_keep=p.keep, **mb.images)
-    targets, mask = mb.targets.flatten()[p.at], mb.mask.flatten()[p.at]
-    logp, entropy = _logprobs(out.logits, targets[None], mask[None], temperature, with_entropy, entropy_grad)
-    put = lambda x: x.new_zeros(b * T).index_put((p.at,), x[0]).view(b, T)  # noqa: E731
+    if context_group is None:
+        with _whole_rows(model, mb, packed=True) as (input_ids, position_ids):
+            out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
+                        logits_to_keep=p.keep, **mb.images)
+        logits, at = out.logits, p.at
+    else:  # text only: context parallel refuses vision-language models
+        logits, at = context_parallel.forward(model, p, context_group)
+    targets, mask = mb.targets.flatten()[at], mb.mask.flatten()[at]
+    logp, entropy = _logprobs(logits, targets[None], mask[None], temperature, with_entropy, entropy_grad)
+
+    def put(x: torch.Tensor) -> torch.Tensor:
+        whole = x.new_zeros(b * T).index_put((at,), x[0]).view(b, T)
+        return whole if context_group is None else context_parallel.summed(whole, context_group)
+
     return put(logp), None if entropy is None else put(entropy)
 
 

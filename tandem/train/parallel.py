@@ -1,4 +1,5 @@
-"""Data and tensor parallelism for the policy: the (dp, tp) mesh, FSDP2 + TP wrapping, and sharded grad clipping."""
+"""Data, context and tensor parallelism for the policy: the (dp, cp, tp) mesh, FSDP2 + TP wrapping, and sharded grad
+clipping (context parallel's attention: `tandem.train.context_parallel`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -170,8 +171,9 @@ def _group(ranks: list[int], tag: str = "") -> dist.ProcessGroup:
     return _GROUPS[key]
 
 
-def build_mesh(ctx_group_ranks: list[int], dp: int, tp: int, device_type: str) -> DeviceMesh:
-    """A (dp, tp) mesh named ("dp", "tp") over this worker group's global ranks, tp varying fastest.
+def build_mesh(ctx_group_ranks: list[int], dp: int, tp: int, device_type: str, cp: int = 1) -> DeviceMesh:
+    """A (dp, cp, tp) mesh named ("dp", "cp", "tp") over this worker group's global ranks, tp varying fastest, then
+    cp; with cp > 1 also its flattened ("dp_cp",) dimension, which FSDP shards over (`fsdp_mesh`).
 
     Only the group's members take part: the subgroups are made with `use_local_synchronization=True`, so the
     other processes of a larger world (split placement) need not call anything. Every member must call this
@@ -180,18 +182,45 @@ def build_mesh(ctx_group_ranks: list[int], dp: int, tp: int, device_type: str) -
     other forever (true of processes running the same code, e.g. the trainers of a split placement).
     """
     ranks = list(ctx_group_ranks)
-    if dp * tp != len(ranks):
-        raise ValueError(f"parallel: dp ({dp}) x tp ({tp}) = {dp * tp}, but the train group has {len(ranks)} workers")
+    if dp * cp * tp != len(ranks):
+        raise ValueError(f"parallel: dp ({dp}) x cp ({cp}) x tp ({tp}) = {dp * cp * tp}, but the train group has "
+                         f"{len(ranks)} workers")
     me = dist.get_rank()
     if me not in ranks:
         raise ValueError(f"build_mesh: global rank {me} is not in the group {ranks}")
-    grid = torch.tensor(ranks, dtype=torch.int).view(dp, tp)
-    # Each member builds the one dp group and the one tp group it belongs to; a member of neither only waits
-    # for the members of the groups it is in (local synchronization), never for the whole world.
-    row, col = [(r, c) for r in range(dp) for c in range(tp) if int(grid[r, c]) == me][0]
-    tp_group = _group(grid[row].tolist())
-    dp_group = _group(grid[:, col].tolist())
-    return DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
+    grid = torch.tensor(ranks, dtype=torch.int).view(dp, cp, tp)
+    # Each member builds the one group of each dimension it belongs to; a member of none only waits for the
+    # members of the groups it is in (local synchronization), never for the whole world.
+    i, j, k = [(a, b, c) for a in range(dp) for b in range(cp) for c in range(tp) if int(grid[a, b, c]) == me][0]
+    groups = [_group(grid[:, j, k].tolist()), _group(grid[i, :, k].tolist()), _group(grid[i, j].tolist())]
+    mesh = DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=("dp", "cp", "tp"))
+    if cp > 1:
+        _flatten_dp_cp(mesh, _group(grid[:, :, k].flatten().tolist()))
+    return mesh
+
+
+# Each context-parallel mesh's flattened ("dp_cp",) mesh, by the mesh's id (the mesh is kept with it, so the id is
+# not reused): torch deprecates reaching a flattened dimension by slicing the root mesh, and asks callers to keep it.
+_FLATTENED: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
+
+
+def _flatten_dp_cp(mesh: DeviceMesh, group: dist.ProcessGroup) -> None:
+    """Make `group` (this rank's dp x cp ranks) the mesh's flattened "dp_cp" dimension. torch's own `_flatten` would
+    make its groups over the whole world, which a split placement's samplers never join; this is what it builds,
+    over the locally synchronized group instead (FSDP with TP needs the dp mesh and the tp mesh to come from one
+    root mesh)."""
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    flat = DeviceMesh(mesh.device_type, _layout=_MeshLayout([mesh["dp", "cp"]._layout.collapse()]),
+                      _rank_map=mesh._rank_map, mesh_dim_names=("dp_cp",), _root_mesh=mesh, _init_backend=False)
+    flat._dim_group_names = [group.group_name]
+    _FLATTENED[id(mesh)] = (mesh, flat)
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP shards over: the dp ranks, and with context parallel the dp x cp ranks (a cp group's ranks hold
+    the same weights and each computes a part of their gradient, which FSDP's reduction sums in)."""
+    return _FLATTENED[id(mesh)][1] if mesh["cp"].size() > 1 else mesh["dp"]
 
 
 def _check_tp(model: nn.Module, tp: int) -> None:
@@ -263,7 +292,8 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, layers: list[nn.Modu
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, profile: ModelProfile, expert_parallel: int = 1
                 ) -> TPState:
-    """TP over "tp" in each decoder layer, then FSDP2 (ZeRO-3) per layer and at the root over "dp". In place;
+    """TP over "tp" in each decoder layer, then FSDP2 (ZeRO-3) per layer and at the root over "dp" (over "dp" x
+    "cp" with context parallel: `fsdp_mesh`). In place;
     returns what TP leaves to the caller (fused weights' row orders, parameters with partial gradients). `profile`
     (tandem.architectures): where the model's decoder layers and vision tower's blocks are.
 
@@ -277,7 +307,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, profile: ModelProfile
     """
     if mesh is None or mesh.size() == 1:
         return TPState()
-    dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    dp, tp = mesh["dp"].size() * mesh["cp"].size(), mesh["tp"].size()
     if expert_parallel > 1 and tp > 1:
         raise ValueError(f"placement.expert_parallel: {expert_parallel} with placement.tensor_parallel: {tp} is not "
                          "supported; use one of them")
@@ -287,7 +317,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, profile: ModelProfile
         # (DTensor parameters everywhere, the same state-dict and gather helpers).
         from torch.distributed.fsdp import fully_shard
 
-        dp_mesh = mesh["dp"]
+        dp_mesh = fsdp_mesh(mesh)
         if expert_parallel > 1:
             from tandem.train.expert_parallel import expert_mesh, shard_experts
 

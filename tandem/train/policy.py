@@ -89,12 +89,13 @@ class Policy:
     """Owns the trainable model, its optimizer and schedule, the reference model when KL is on, and the teacher when
     algo.distill names one.
 
-    `mesh`: a ("dp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping);
+    `mesh`: a ("dp", "cp", "tp") DeviceMesh from `parallel.build_mesh` (None = one process, no wrapping);
     `expert_parallel`: EP groups of that many dp ranks share each MoE layer's experts (`parallel.parallelize`).
 
-    With a mesh, each dp rank trains on its own rows of every mini-batch (tp peers get the same rows), the
-    normalizers and the stats are reduced over dp, and gradients are summed over dp, so the update equals the
-    single-process update of the whole mini-batch.
+    With a mesh, each dp rank trains on its own rows of every mini-batch (tp and cp peers get the same rows), the
+    normalizers and the stats are reduced over dp, and gradients are summed over dp (and over cp, whose ranks each
+    run a chunk of every micro-batch's sequence and end with the same whole logprobs, so the same loss and stats),
+    so the update equals the single-process update of the whole mini-batch.
 
     `old_logprobs`: where the ratio's old-policy logprobs come from (`Config.old_logprobs` decides it for a run).
     RECOMPUTED, a forward before the update, is right for any batch; CURRENT spares that forward for one update on
@@ -134,7 +135,7 @@ class Policy:
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.profile = model_profile or profile(model_path)
         self.teacher_profile = profile(algo.distill.teacher) if algo.distill.teacher else None
-        self.model = load_causal_lm(model_path, dtype, trust_remote_code)
+        self.model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code))
         self.lora = None  # the PeftModel around self.model when adapters train (self.model's layers are its)
         if lora is not None and lora.enabled:
             from tandem.train import lora as lora_lib
@@ -176,11 +177,27 @@ class Policy:
         """A frozen model beside the policy (the reference, the teacher), sharded as the policy is."""
         from tandem.train.parallel import parallelize
 
-        model = load_causal_lm(model_path, dtype, trust_remote_code).eval().requires_grad_(False)
+        model = self._attending(load_causal_lm(model_path, dtype, trust_remote_code)).eval().requires_grad_(False)
         if device is not None:
             model.to(device)
         parallelize(model, self.mesh, model_profile, self.expert_parallel)
         return model
+
+    def _attending(self, model):
+        """`model`, attending by Ulysses under context parallel (`tandem.train.context_parallel`)."""
+        if self.cp_size > 1:
+            from tandem.train import context_parallel
+
+            context_parallel.use(model)
+        return model
+
+    def _logprobs(self, model, routing: "moe.Routing | None", mb: MicroBatch, replay: bool = False,
+                  logits: bool = False, **kw) -> tuple[torch.Tensor, torch.Tensor | None, "moe.Record | None"]:
+        """`routed_logprobs` of `model` at the policy's temperature; under context parallel, this rank's chunk of the
+        padding-free sequence and the results over the whole of it (dense models only: an MoE is refused with it)."""
+        if self.cp_size > 1:
+            kw["context_group"] = self.mesh["cp"].get_group()
+        return routed_logprobs(model, routing, mb, self.temperature, replay, logits, **kw)
 
     def _watch_routers(self, algo: AlgoConfig) -> None:
         """An MoE's router hooks (`tandem.moe.Routing`) on the policy, the reference and the teacher, and the
@@ -205,6 +222,11 @@ class Policy:
     @property
     def dp_size(self) -> int:
         return self.mesh["dp"].size() if self.mesh is not None else 1
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks sharing each micro-batch's sequence (`tandem.train.context_parallel`)."""
+        return self.mesh["cp"].size() if self.mesh is not None else 1
 
     @property
     def _dp_group(self):
@@ -291,8 +313,8 @@ class Policy:
             mb.to(self.device)
             if self.teacher is not None:  # first: the first-pass stats compare the policy with it
                 start = time.perf_counter()
-                mb.teacher_logprobs = routed_logprobs(
-                    self.teacher, self.teacher_routing, mb, self.temperature,
+                mb.teacher_logprobs = self._logprobs(
+                    self.teacher, self.teacher_routing, mb,
                     share_prompts=self.mesh is None and bool(self.teacher_profile.prompts_once),
                     packed=self.teacher_packs)[0]
                 teacher_s += time.perf_counter() - start
@@ -302,8 +324,8 @@ class Policy:
             if self.old_logprobs is OldLogprobs.SAMPLER:
                 mb.old_logprobs = mb.sampler_logprobs  # first-pass stats come from the update's first forward
             elif self.old_logprobs is OldLogprobs.RECOMPUTED:
-                mb.old_logprobs, ent, record = routed_logprobs(
-                    self.model, self.routing, mb, self.temperature, self.algo.router_replay, with_entropy=True,
+                mb.old_logprobs, ent, record = self._logprobs(
+                    self.model, self.routing, mb, self.algo.router_replay, with_entropy=True,
                     share_prompts=self.share_prompts, packed=self.padding_free)
                 self._first_pass_stats(mb, mb.old_logprobs, ent, stats, record)
             if self.uses_ref:
@@ -322,11 +344,11 @@ class Policy:
     def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         replay = self.algo.router_replay  # the reference on the same routes: its KL compares weights, not routings
         if self.lora is None:
-            return routed_logprobs(self.ref, self.ref_routing, mb, self.temperature, replay,
-                                   share_prompts=self.share_prompts, packed=self.padding_free)[0]
+            return self._logprobs(self.ref, self.ref_routing, mb, replay, share_prompts=self.share_prompts,
+                                  packed=self.padding_free)[0]
         with self.lora.disable_adapter():  # the base model is the reference: its weights, no adapters
-            return routed_logprobs(self.model, self.routing, mb, self.temperature, replay,
-                                   share_prompts=self.share_prompts, packed=self.padding_free)[0]
+            return self._logprobs(self.model, self.routing, mb, replay, share_prompts=self.share_prompts,
+                                  packed=self.padding_free)[0]
 
     def _first_pass_stats(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, stats: StepStats,
                           record: "moe.Record | None") -> None:
@@ -383,8 +405,8 @@ class Policy:
         """One micro-batch's forward and backward: its share of its mini-batch's loss (returned)."""
         a = self.algo
         mb.to(self.device)
-        logp, ent, record = routed_logprobs(
-            self.model, self.routing, mb, self.temperature, a.router_replay, logits=self.aux_coef > 0,
+        logp, ent, record = self._logprobs(
+            self.model, self.routing, mb, a.router_replay, logits=self.aux_coef > 0,
             with_entropy=first_pass or a.entropy_coef > 0, entropy_grad=a.entropy_coef > 0,
             share_prompts=self.share_prompts, packed=self.padding_free)
         if first_pass:
@@ -402,10 +424,12 @@ class Policy:
             aux = moe.load_balancing_loss(record, real, self.routing.num_experts)
             loss = loss + self.aux_coef * aux * (mb.tokens / max(total_tokens, 1))
             stats.add("moe/aux_loss", float(aux.detach()) * mb.tokens, mb.tokens)
-        # FSDP averages gradients over dp, but each rank's loss is already its share of the global loss (global
-        # normalizers): scale by dp so they add up. (Its divide factor would do the same via PREMUL_SUM, which gloo
+        # FSDP averages gradients over the ranks it shards over, but each rank's loss is already its share of the
+        # global loss (global normalizers), and each cp rank's backward gives its chunk's part of its dp rank's
+        # gradient: scale by dp x cp so they add up. (Its divide factor would do the same via PREMUL_SUM, which gloo
         # lacks.)
-        (loss * self.dp_size if self.dp_size > 1 else loss).backward()
+        shards = self.dp_size * self.cp_size
+        (loss * shards if shards > 1 else loss).backward()
         for name, per_token in metrics.items():
             stats.add(name, float((per_token * mb.mask).sum()), mb.tokens)
         return float(loss.detach())
@@ -446,8 +470,9 @@ class Policy:
         if self.mesh is None:
             return {"dp": 1, "tp": 1, "dp_rank": 0, "tp_rank": 0}
         ep = {"ep": self.expert_parallel} if self.expert_parallel > 1 else {}  # experts' optimizer shards
+        cp = {"cp": self.cp_size, "cp_rank": self.mesh["cp"].get_local_rank()} if self.cp_size > 1 else {}
         return {"dp": self.dp_size, "tp": self.mesh["tp"].size(), "dp_rank": self.dp_rank,
-                "tp_rank": self.mesh["tp"].get_local_rank(), **ep}
+                "tp_rank": self.mesh["tp"].get_local_rank(), **ep, **cp}
 
     def state_dict(self) -> dict:
         """Optimizer and schedule state of this rank: with a mesh, its own shards (plain tensors, no collective).
@@ -464,8 +489,9 @@ class Policy:
         if saved != now:
             raise ValueError(f"optimizer state was saved with layout {saved}, this rank has {now}: resuming needs the "
                              "same number of training workers (placement.workers, or placement.train_workers when "
-                             "split), placement.tensor_parallel and placement.expert_parallel, each rank its own "
-                             "file (the model weights load at any layout; only the optimizer's shards do not)")
+                             "split), placement.tensor_parallel, placement.context_parallel and "
+                             "placement.expert_parallel, each rank its own file (the model weights load at any "
+                             "layout; only the optimizer's shards do not)")
         opt = dict(state["optimizer"])
         if self.mesh is not None:
             from torch.distributed.tensor import DTensor

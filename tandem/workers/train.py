@@ -37,7 +37,8 @@ def _images_note(names: tuple[str, ...]) -> str:
 
 
 class TrainWorker:
-    """One training process. With several, they form a (dp, tp) mesh: FSDP2 over dp, tensor parallel over tp.
+    """One training process. With several, they form a (dp, cp, tp) mesh: FSDP2 over dp (x cp), context parallel
+    over cp (each micro-batch's sequence split: `tandem.train.context_parallel`), tensor parallel over tp.
 
     Every worker receives the whole step's completions and takes its data-parallel share of each mini-batch
     (balanced by tokens); the loss normalizers count the whole mini-batch, so the update equals the
@@ -48,7 +49,7 @@ class TrainWorker:
         """`model`: the policy's profile, resolved once for the run (`tandem.run.preflight`); a worker built alone
         (a test's) resolves it from the config."""
         self.cfg, self.ctx = cfg, ctx or WorkerContext()
-        m, tp = cfg.model, cfg.placement.tensor_parallel
+        m, tp, cp = cfg.model, cfg.placement.tensor_parallel, cfg.placement.context_parallel
         self.profile = model or profile(cfg.model.path)
         self.tokenizer = load_tokenizer(m.path, m.trust_remote_code)
         # what a checkpoint holds beside the weights: a vision-language model's processor (its image processor and
@@ -60,9 +61,10 @@ class TrainWorker:
         if self.ctx.size > 1:
             from tandem.train.parallel import build_mesh
 
-            self.dp_size = self.ctx.size // tp
-            self.dp_rank = self.ctx.rank // tp
-            self.mesh = build_mesh(self.ctx.group_ranks[self.ctx.name], self.dp_size, tp, self.ctx.device)
+            # ranks run tp fastest, then cp: the cp x tp ranks of a dp rank take the same rows
+            self.dp_size = self.ctx.size // (cp * tp)
+            self.dp_rank = self.ctx.rank // (cp * tp)
+            self.mesh = build_mesh(self.ctx.group_ranks[self.ctx.name], self.dp_size, tp, self.ctx.device, cp=cp)
         total_opt_steps = cfg.run.steps * cfg.algo.mu * cfg.batch.mini_batches
         torch.manual_seed(cfg.run.seed)
         self.policy = Policy(m.path, m.dtype, m.trust_remote_code, cfg.algo, cfg.optim, total_opt_steps,
@@ -245,7 +247,8 @@ class TrainWorker:
         if not path.is_file():
             found = sorted(p.name for p in Path(folder).glob("optimizer*.pt"))
             raise ValueError(f"checkpoint {folder}: no {path.name} for this worker; it holds {found} — resume with "
-                             "the same number of training workers and tensor_parallel it was saved with")
+                             "the same number of training workers, tensor_parallel and context_parallel it was saved "
+                             "with")
         self.policy.load_state_dict(torch.load(path, weights_only=False))
 
     def _optimizer_file(self) -> str:
