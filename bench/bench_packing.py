@@ -5,7 +5,7 @@
 
 One step's completions are drawn once, with fixed token ids: `--prompts` prompts of `--prompt-tokens` tokens, each
 with `--group` completions whose lengths are lognormal (median `--median`, sigma `--sigma`, seeded by `--seed`)
-clipped to [16, 2048] tokens, as reasoning traces are: most short, a few thousands long. The model is a random Qwen2
+clipped to [16, 2048] tokens, as reasoning traces are: most short, a few over a thousand. The model is a random Qwen2
 of bench/bench_trl.py's `small` shape (hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 512, the demo's byte-level
 BPE; built here, no download).
 
@@ -16,16 +16,16 @@ backward, the AdamW step), on the same samples and advantages, the layouts alter
 process also has the prompt-once layout: each micro-batch keeps it where it runs fewer positions. Each layout's
 figures: its micro-batches and the token positions their forwards run, completion tokens trained per second (median
 step), and the peak bytes of tensors alive during a further, untimed step (bench/bench_memory.py's meter: weights,
-gradients, AdamW state and the reference, plus the peak of what the step allocates; on a GPU the allocator's peak).
+gradients, AdamW state and the reference, plus the peak of what the step allocates). The machine is the CPU.
 
 TRL (where installed, `--no-trl` to leave it out): its GRPOTrainer on the same model, prompts and completions, in a
-child process. TRL 1.16 has no padding-free option for GRPO (GRPOConfig has no `padding_free`), and its
-`rollout_func` (an experimental GRPOTrainer argument) hands it completions instead of sampling them: so its step
-here is its real one on these fixed completions (the reference forward, the loss, backward, the optimizer step),
-rows right-padded to the batch's longest completion as TRL lays them out, micro-batches of as many rows as the token
-budget holds at that width. Its figures: completion tokens per second of its step minus its rollout_func and
-rewards; peak tensor bytes as above, over its scoring and training passes (its optimizer step, outside those, is
-not metered).
+child process. TRL 1.16 has no padding-free option for GRPO (GRPOConfig has no `padding_free`; a TRL whose
+GRPOConfig has one runs with it on, and the output says which), and its `rollout_func` (an experimental GRPOTrainer
+argument) hands it completions instead of sampling them: so its step here is its real one on these fixed
+completions (the reference forward, the loss, backward, the optimizer step), rows right-padded to the batch's
+longest completion as TRL lays them out, micro-batches of as many rows as the token budget holds at that width. Its
+figures: completion tokens per second of its step minus its rollout_func and rewards; peak tensor bytes as above,
+over its scoring and training passes (its optimizer step, outside those, is not metered).
 """
 from __future__ import annotations
 
@@ -193,12 +193,14 @@ def run_trl(model: Path, step: dict, args, out: Path) -> dict:
 
     timer = TrlTimes()
     total = args.warmup + args.steps + 1  # the last step is metered
+    # a TRL whose GRPOConfig has padding_free runs with it on (1.16 has none)
+    packed = {"padding_free": True} if "padding_free" in GRPOConfig.__dataclass_fields__ else {}
     cfg = GRPOConfig(
         output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False, seed=0,
         per_device_train_batch_size=rows, gradient_accumulation_steps=n // rows, steps_per_generation=n // rows,
         num_generations=G, max_completion_length=LONGEST, max_steps=total, learning_rate=LR, beta=KL, epsilon=CLIP,
         loss_type="dapo", scale_rewards="group", num_iterations=1, logging_steps=1, report_to=[],
-        save_strategy="no", disable_dropout=True, dataloader_num_workers=0,
+        save_strategy="no", disable_dropout=True, dataloader_num_workers=0, **packed,
     )
     trainer = GRPOTrainer(model=str(model), reward_funcs=reward, args=cfg, rollout_func=rollout,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in names]),
@@ -211,7 +213,7 @@ def run_trl(model: Path, step: dict, args, out: Path) -> dict:
         raise RuntimeError(f"TRL trained {timer.tokens} completion tokens per step, not the step's {given}")
     phases = timer.phases()[args.warmup:total - 1]
     return {"times": [p["logprobs"] + p["update"] for p in phases], "peak": max(peak), "rows": rows, "width": width,
-            "layout": (n // rows, n * width)}
+            "layout": (n // rows, n * width), "padding_free": bool(packed)}
 
 
 def _meter_last_step(trainer, timer, total: int) -> list[int]:
@@ -331,8 +333,9 @@ def main() -> None:
         if with_trl:
             trl = trl_child(work / "model", step, args, work)
             results["TRL"] = trl
-            print(f"TRL {version('trl')}: {trl['rows']} rows per "
-                  f"micro-batch, each {trl['width']} tokens wide (prompt + the batch's longest completion)")
+            free = "padding_free on" if trl["padding_free"] else "its GRPOConfig has no padding_free"
+            print(f"TRL {version('trl')} ({free}): {trl['rows']} rows per micro-batch, each {trl['width']} tokens "
+                  "wide (prompt + the batch's longest completion)")
     print_table(step, results)
 
 
