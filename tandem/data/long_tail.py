@@ -35,13 +35,6 @@ def rows(split: str) -> list[dict]:
     return arithmetic.rows(split)
 
 
-def corpus() -> list[str]:
-    """Text the long-tail demo's tokenizer is trained on: every question, its answer and a short countdown (digits
-    are single tokens in that tokenizer, so longer ones add nothing to learn)."""
-    return [arithmetic.question(a, b) + completion(arithmetic.answer(a, b), 2)
-            for a in range(arithmetic.LOW, arithmetic.HIGH + 1) for b in range(arithmetic.LOW, arithmetic.HIGH + 1)]
-
-
 @register_reward("long_tail_exact", inline=True)
 def exact(completion: str, prompt: str, row, **_) -> float:
     """1 if what precedes the completion's first `;` is exactly the reversed sum, else 0."""

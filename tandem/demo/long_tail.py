@@ -1,25 +1,29 @@
-"""The long-tail demo's model (`tandem demo --config examples/long_tail.yaml`): the dense demo's shape warm-started on
-an imperfect teacher's sums, each followed by a countdown of long-tailed length (tandem.data.long_tail), so its
-samples run from a handful to about two hundred tokens while GRPO reinforces their right answers."""
+"""The long-tail demo's model (`tandem demo --config examples/long_tail.yaml`): the dense demo's warm-started model,
+warm-started further on the same imperfect teacher's sums each followed by a countdown of long-tailed length
+(tandem.data.long_tail), so its samples run from a handful to about two hundred tokens while GRPO reinforces their
+right answers. Starting from the dense demo's model spares relearning the sums: the countdown's tokens, most of each
+completion, would otherwise dilute the answer's share of the warm start's loss."""
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
 from tandem.data import arithmetic, long_tail
-from tandem.demo.arithmetic import DemoModelSpec, teacher_answer
-from tandem.demo.common import build_tokenizer, cached_model, log, masked_nll
+from tandem.modeling import load_causal_lm, load_tokenizer
+from tandem.demo.arithmetic import DemoModelSpec, arithmetic_model, teacher_answer
+from tandem.demo.common import cached_model, log, masked_nll
 
 
 @dataclass(frozen=True)
 class LongTailSpec(DemoModelSpec):
-    """The dense demo's model and warm start, its teacher counting down after each answer from n: lognormal around
-    `count_median` (sigma `count_sigma` of its log), clipped to [1, `count_max`]."""
+    """The dense demo's model (the fields it shares are its spec's) warm-started further, the teacher counting down
+    after each answer from n: lognormal around `count_median` (sigma `count_sigma` of its log), clipped to
+    [1, `count_max`]."""
 
     folder: ClassVar[str] = "long_tail"
     max_positions: ClassVar[int] = 256  # the prompt, the answer and the longest countdown (~175 tokens), with room
@@ -27,7 +31,7 @@ class LongTailSpec(DemoModelSpec):
     count_sigma: float = 1.1
     count_max: int = 60
     new_tokens: int = 224  # what the warm start's checks sample (examples/long_tail.yaml's rollout.max_new_tokens)
-    version: int = 1
+    version: int = 1  # of this builder (the dense model it starts from has its own)
 
     def count(self, rng: random.Random) -> int:
         """The n a teacher's countdown starts from."""
@@ -96,8 +100,11 @@ def warm_start(model, tokenizer, spec: LongTailSpec) -> tuple[float, float, int]
 def long_tail_model(spec: LongTailSpec = LongTailSpec(), root: Path | None = None) -> Path:
     """Path of the long-tail demo's model folder, warm-started, built on first use and cached."""
     def build():
-        tokenizer = build_tokenizer(long_tail.corpus(), spec.vocab_size)
-        model = spec.build(tokenizer)
+        # the dense demo's model of the same shape and warm start (its byte-level BPE encodes `;` and spaces too);
+        # `version` is this builder's own
+        base = arithmetic_model(DemoModelSpec(**{f.name: getattr(spec, f.name) for f in fields(DemoModelSpec)
+                                                 if f.name != "version"}))
+        tokenizer, model = load_tokenizer(base), load_causal_lm(base)
         model.config.max_position_embeddings = spec.max_positions
         acc, sampled, steps = warm_start(model, tokenizer, spec)
         return model, tokenizer, {"warm_start_accuracy": acc, "sampled_teacher_agreement": sampled,
