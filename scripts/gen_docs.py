@@ -92,17 +92,19 @@ def cli_block() -> str:
 
 def architectures_block() -> str:
     """tandem.architectures.SUPPORT: where each architecture runs, what LoRA adapts in it by default, and what its
-    profile says of its parts, its experts and how its prompts run once."""
+    profile says of its parts, its experts, how its prompts run once and whether it trains padding-free."""
     once = {"kv": "its KV cache", "state": "its recurrent state", "": "no"}
     out = [support_table(), "", "| `model_type` | LoRA's default modules | LoRA's default parameters | "
-           "mixture of experts (config.json's count) | prompts run once in the trainer | language model, layers |",
-           "|---|---|---|---|---|---|"]
+           "mixture of experts (config.json's count) | prompts run once in the trainer | padding-free "
+           "(`batch.padding_free`) | language model, layers |",
+           "|---|---|---|---|---|---|---|"]
     for kind, s in SUPPORT.items():
         parameters = ", ".join(f"`{p}`" for p in s.lora_parameters) or (
             f"none (experts refused: {s.no_expert_lora})" if s.no_expert_lora else "none")
         experts = f"yes ({', '.join(f'`{k}`' for k in s.expert_keys)})" if s.experts else "no"
+        packs = f"no, padded: {markdown_text(s.no_packing)}" if s.no_packing else "yes"
         out.append(f"| `{kind}` | {', '.join(f'`{m}`' for m in s.lora)} | {parameters} | {experts} | "
-                   f"{once[s.prompts_once]} | `{s.language_model}`, `{s.decoder_layers}` |")
+                   f"{once[s.prompts_once]} | {packs} | `{s.language_model}`, `{s.decoder_layers}` |")
     return "\n".join(out)
 
 

@@ -21,6 +21,8 @@ from tandem.run.preflight import check_supported  # noqa: E402
 
 # how each zoo architecture runs a group's prompt once in the trainer's logprobs ("" every row whole)
 PROMPTS_ONCE = {"llama": "kv", "qwen3_5_text": "state"}
+# the zoo architectures that train padded whatever batch.padding_free says (tests/train/test_packing.py shows why)
+PADDED = ("qwen3_5_text", "qwen3_5_moe_text", "gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,7 @@ def test_the_profile_of_each_zoo_architecture_is_true_of_its_model(zoo, arch):
     else:
         assert not p.moe and p.experts == 0 and p.routers == () and p.routing(model) is None
     assert bool(p.unstreamable) == (arch in zoo_models.WINDOWED + zoo_models.HYBRID)
+    assert p.packs == (arch not in PADDED)
 
 
 def test_the_profiles_of_the_vision_language_families(vlm, qwen_vlm):
@@ -76,7 +79,7 @@ def test_the_profiles_of_the_vision_language_families(vlm, qwen_vlm):
         language = {id(x) for x in model.get_decoder().parameters()}
         language |= {id(x) for x in model.get_output_embeddings().parameters()}
         assert set(p.vision_side(model)) == {n for n, x in model.named_parameters() if id(x) not in language}
-        assert profile_of(model).prompts_once == "kv"
+        assert profile_of(model).prompts_once == "kv" and p.packs
 
 
 def _folder(tmp_path: Path, name: str, config: dict) -> Path:
@@ -127,3 +130,14 @@ def test_every_refusal_fires_from_config_json_alone(tmp_path, monkeypatch):
         fired.append(first)
     wanted = [r for r in REFUSALS if torch.cuda.is_available() is False or "without a GPU" not in r.setting]
     assert [r for r in wanted if r not in fired] == [], "a refusal no case makes fire"
+
+
+def test_only_what_the_zoo_checked_trains_padding_free():
+    """Packing needs model code that keeps the rows apart: the zoo's architectures where `Support.no_packing` says
+    nothing, unless the checkpoint has linear-attention layers; an architecture outside the zoo runs padded."""
+    from tandem.architectures import resolve
+
+    assert resolve({"model_type": "qwen3"}).packs
+    assert not resolve({"model_type": "qwen3", "layer_types": ["linear_attention", "full_attention"]}).packs
+    assert not resolve({"model_type": "some_new_arch"}).packs
+    assert all(bool(s.no_packing) == (kind in PADDED) for kind, s in SUPPORT.items() if not s.vision)

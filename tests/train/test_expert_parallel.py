@@ -77,7 +77,7 @@ def _train(policy, rows: list[int] | None, between=None) -> tuple[list[float], l
 
     losses, norms = [], []
     for seeds in ([1, 2], [3]):
-        minis, adv, n = _step(rows, seeds)
+        minis, adv, n = _step(rows, seeds, policy.padding_free)
         norms.append(policy.update(policy.prepare(minis, n), adv)["grad_norm"])
         losses += policy.last_losses
         if between is not None and seeds == [1, 2]:

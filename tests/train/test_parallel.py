@@ -55,26 +55,27 @@ def _policy(model_dir: str, mesh=None):
                   1.0, 8, mesh=mesh)
 
 
-def _step(rows: list[int] | None, seeds: list[int]):
-    """A step of one mini-batch per seed (each seed's completions); `rows` of each are this rank's share."""
+def _step(rows: list[int] | None, seeds: list[int], packed: bool = True):
+    """A step of one mini-batch per seed (each seed's completions); `rows` of each are this rank's share, laid out
+    padding-free where `packed` (the policy's `padding_free`, as TrainWorker lays them out)."""
     parts = [_completions(seed) for seed in seeds]
     samples = Samples.of_call(parts[0][0])
     for comps, _ in parts[1:]:
         samples = samples.concat(Samples.of_call(comps))
     subset = list(range(ROWS)) if rows is None else rows
-    minis = [make_micro_batches(samples, BUDGET, 0, [k * ROWS + r for r in subset]) if subset else []
+    minis = [make_micro_batches(samples, BUDGET, 0, [k * ROWS + r for r in subset], packed=packed) if subset else []
              for k in range(len(seeds))]
     return minis, torch.cat([adv for _, adv in parts]), len(samples)
 
 
 def _train(policy, rows: list[int] | None, between=None) -> list[float]:
     """3 optimizer steps: one call with 2 mini-batches (off-policy: old + reference forwards), then one on-policy."""
-    minis, adv, n = _step(rows, [1, 2])
+    minis, adv, n = _step(rows, [1, 2], policy.padding_free)
     policy.update(policy.prepare(minis, n), adv)
     losses = list(policy.last_losses)
     if between is not None:
         between(policy)
-    minis, adv, n = _step(rows, [3])
+    minis, adv, n = _step(rows, [3], policy.padding_free)
     policy.old_logprobs = OldLogprobs.CURRENT  # one mini-batch, mu 1: what Config.old_logprobs picks
     policy.update(policy.prepare(minis, n), adv)
     return losses + list(policy.last_losses)

@@ -50,8 +50,8 @@ def _policy(path: Path, **algo) -> Policy:
                   SAMPLING.max_new_tokens)
 
 
-def _step(policy: Policy, samples: Samples) -> dict[str, float]:
-    mbs = make_micro_batches(samples, 4096, 0)
+def _step(policy: Policy, samples: Samples, packed: bool = False) -> dict[str, float]:
+    mbs = make_micro_batches(samples, 4096, 0, packed=packed)
     return policy.update(policy.prepare([mbs], len(samples)), torch.linspace(-1, 1, len(samples)))
 
 
@@ -108,6 +108,26 @@ def test_replay_removes_the_route_mismatch_and_shrinks_the_logprob_difference(mo
         used, given = record.last("used")[routed], mb.routes.flatten(0, 1)[routed]
         assert not bool(moe.differs(used, given).any())
         assert bool(moe.differs(record.last("natural")[routed], given).any())
+
+
+def test_padding_free_routes_replays_and_balances_as_padded(model_path):
+    """Padding-free, the router record's rows are the real tokens in order: the same route mismatch, expert load,
+    load-balancing loss and loss as padded, with and without replay (which uses the sampler's routes there too:
+    mismatch 0). Red if the routes were given in the padded layout's rows (replay refuses the row count) or the
+    stats counted other positions' routes."""
+    samples = _sample(model_path, perturb=0.1)
+    for algo in ({}, {"router_replay": True, "router_aux_coef": 0.5}):
+        padded = _step(_policy(model_path, **algo), samples)
+        policy = _policy(model_path, **algo)
+        packed = _step(policy, samples, packed=True)
+        assert policy.padding_free == profile(model_path).packs
+        assert packed.keys() == padded.keys()
+        for name in ("moe/route_mismatch", "moe/expert_load_max", "moe/load_entropy", "moe/aux_loss", "loss",
+                     "logprob_diff"):
+            if name in padded:
+                assert packed[name] == pytest.approx(padded[name], abs=1e-5), (algo, name)
+        if algo:
+            assert packed["moe/route_mismatch"] == 0.0
 
 
 def test_replayed_routers_still_get_a_gradient(model_path):
