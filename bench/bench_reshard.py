@@ -84,6 +84,8 @@ def cases(dense: Qwen2Shape, moe: Qwen2Shape) -> dict[str, tuple[ModelLayout, Mo
         # the same, destination ranks numbered by the planner (assign_ranks): each rank's quarter lies in its new half
         "dp1tp4 -> dp2tp2 (ranks assigned)": (tp4, renumber(to, assign_ranks(tp4, to))),
         "dp1tp2cp2 -> dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), dense.spec()), to),
+        # tandem's context parallel trains with FSDP2 over dp x cp after TP: each cp rank holds half its tp shard
+        "dp1tp2cp2 (FSDP over cp) -> dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), dense.spec(zero="dim0")), to),
         "dp1tp2ep2 -> dp2tp2 (MoE)": (build_layout(pm, Mesh.of(ep=2, tp=2), moe.spec(ep=2)),
                                       build_layout(pm, dp2tp2, moe.spec())),
         # tandem's expert parallel training (dp 4, ep 2: FSDP over 2 x EP over 2 for the fused experts) into engines

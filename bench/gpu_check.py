@@ -20,6 +20,8 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
   vllm-train      the loop with rollout.engine vllm in process: logprob_diff (trainer vs sampler) after each sync
   colocated-ray   vLLM in colocated Ray workers (one per GPU, at most 2) with sleep/wake, 3 steps: logprob_diff
   tp2-engine      one vLLM engine at tensor parallel 2 over 2 colocated workers (2 GPUs): logprob_diff
+  cp2             placement.context_parallel 2 over 2 colocated workers (2 GPUs: Ulysses' all-to-alls over NCCL, its
+                  masked attention on CUDA), vLLM in each: logprob_diff after each sync of the dp x cp shards
   split-channel   split placement, 1 trainer + 1 vLLM sampler, weights over the NCCL weight channel (2 GPUs)
   vllm-stream     placement.schedule stream in one process with vLLM in process and sleep mode: the stream's
                   requests out of the engine around its sleep, the update and the sync; staleness within the bound
@@ -258,6 +260,13 @@ def check_colocated_ray(work: Path) -> str:
 def check_tp2(work: Path) -> str:
     return _logprob_gap(_run(tiny(work / "tiny"), work / "run", "rollout.engine=vllm", "placement.backend=ray",
                              "placement.workers=2", "rollout.tensor_parallel=2"))
+
+
+@check("cp2", gpus=2)
+def check_cp2(work: Path) -> str:
+    rows = _run(tiny(work / "tiny"), work / "run", "rollout.engine=vllm", "placement.backend=ray",
+                "placement.workers=2", "placement.context_parallel=2", "rollout.vllm.sleep_level=1")
+    return "context parallel 2: " + _logprob_gap(rows)
 
 
 def _vlm(work: Path) -> Path:

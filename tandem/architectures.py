@@ -379,8 +379,9 @@ def _vision(setting: str, cfg_asks: Callable[[Any], bool], fix: Callable[[Any], 
         column=column)
 
 
-def _beyond_ulysses(p: ModelProfile) -> str:
-    """What in a model context parallel's attention does not cover yet (`tandem.train.context_parallel`)."""
+def beyond_ulysses(p: ModelProfile) -> str:
+    """What in a model context parallel's attention does not cover yet (`tandem.train.context_parallel`), described;
+    "" if nothing (a dense zoo model whose forward runs padding-free)."""
     if p.images:
         return "a vision tower (its image tokens would need splitting with the sequence)"
     if p.linear_attention:
@@ -391,7 +392,7 @@ def _beyond_ulysses(p: ModelProfile) -> str:
         return "experts (router statistics and replay over a split sequence are not done)"
     if p.support is None:
         return "no padding-free forward tandem has checked (an architecture outside the model zoo)"
-    return f"no padding-free forward ({p.support.no_packing})"
+    return f"no padding-free forward ({p.support.no_packing})" if not p.packs else ""
 
 
 def _dense(p: ModelProfile) -> str:
@@ -456,13 +457,12 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda cfg, p: (
                 f"placement.expert_parallel: {cfg.placement.expert_parallel} does not divide the model's "
                 f"{p.expert_key}={p.experts} (model.path {cfg.model.path}); pick a divisor of {p.experts}")),
-    Refusal("`placement.context_parallel` > 1", lambda p: bool(p.moe or p.linear_attention or p.images
-                                                              or p.latent_attention or not p.packs),
+    Refusal("`placement.context_parallel` > 1", lambda p: bool(beyond_ulysses(p)),
             lambda cfg, p: cfg.placement.context_parallel > 1, lambda cfg, p: (
                 f"placement.context_parallel: {cfg.placement.context_parallel}, but model.path is {p.name} "
-                f"({p.model_type!r}), which has {_beyond_ulysses(p)}; context parallel (Ulysses) covers dense "
+                f"({p.model_type!r}), which has {beyond_ulysses(p)}; context parallel (Ulysses) covers dense "
                 "models with softmax attention so far: set placement.context_parallel: 1"),
-            column="CP", note=_beyond_ulysses),
+            column="CP", note=beyond_ulysses),
     Refusal("`placement.context_parallel` not dividing the attention heads", lambda p: p.attention_heads > 0,
             lambda cfg, p: cfg.placement.context_parallel > 1
             and (p.attention_heads // cfg.placement.tensor_parallel) % cfg.placement.context_parallel > 0,

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from tandem.architectures import SUPPORT, ModelProfile, profile
+from tandem.architectures import SUPPORT, ModelProfile, beyond_ulysses, profile
 from tandem.config import Config, ConfigError
 from tandem.modeling import check_model_folder, check_same_tokenizer
 from tandem.rollout import judge
@@ -30,6 +30,7 @@ def check_before_loading(cfg: Config) -> ModelProfile:
                              cfg.model.trust_remote_code)
     p = profile(cfg.model.path)
     check_supported(cfg, p)
+    _check_teacher_split(cfg)
     placement.check_devices(cfg)
     lora.check(cfg.lora, p, cfg.model.trust_remote_code)
     reward_model.check(cfg.rewards)
@@ -52,3 +53,20 @@ def check_supported(cfg: Config, p: ModelProfile | None = None) -> None:
     if p.support is None:
         log.warning("architecture %r is not in tandem's model zoo (%s); the hf engine in one process runs it with "
                     "the checks of every sync", p.model_type, ", ".join(sorted(SUPPORT)))
+
+
+def _check_teacher_split(cfg: Config) -> None:
+    """A distillation teacher beside the policy runs on the policy's mesh, its forwards split over
+    placement.context_parallel as the policy's are: refuse one context parallel does not cover."""
+    pl = cfg.placement
+    if pl.context_parallel == 1 or not cfg.algo.distill.teacher or pl.teacher_workers:
+        return
+    t = profile(cfg.algo.distill.teacher)
+    heads = t.attention_heads // pl.tensor_parallel
+    gap = beyond_ulysses(t) or (f"{heads} attention heads per tensor-parallel rank" if heads % pl.context_parallel
+                                else "")
+    if gap:
+        raise ConfigError(f"placement.context_parallel: {pl.context_parallel}: algo.distill.teacher ({t.name}) runs "
+                          f"beside the policy, its sequence split as the policy's, and has {gap}, which context "
+                          "parallel does not cover; score it on workers of its own (placement.teacher_workers: 1) "
+                          "or set placement.context_parallel: 1")

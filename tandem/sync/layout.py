@@ -268,7 +268,9 @@ class Spec:
     """How one parameter is placed on a mesh. tp_dim: 0 column-parallel, 1 row-parallel, None replicated over tp;
     parts: the fused sizes along tp_dim (each split on its own); stage: the pp stage holding it (None: all);
     expert: its expert index, living on ep rank expert // experts_per_rank (None: dense, replicated over ep);
-    zero: shard over dp after tp, "dim0" (FSDP2 Shard(0)) or "flat" (ZeRO flat buffer); None replicated (DP, CP)."""
+    zero: shard over dp x cp after tp (FSDP2 over tandem's "dp_cp", Megatron's distributed optimizer alike: context
+    parallel's ranks hold the same weights), "dim0" (FSDP2 Shard(0)) or "flat" (ZeRO flat buffer); None replicated
+    (DP, CP)."""
     tp_dim: int | None = None
     parts: tuple[int, ...] | None = None
     stage: int | None = None
@@ -293,8 +295,8 @@ def build_layout(params: Mapping[str, tuple[Sequence[int], torch.dtype]], mesh: 
             shard = full_shard(shape)
             if s.tp_dim is not None and mesh.size("tp") > 1:
                 shard = chunk(shard, s.tp_dim, mesh.size("tp"), c["tp"], s.parts)
-            if s.zero and mesh.size("dp") > 1:
-                n, i = mesh.size("dp"), c["dp"]
+            if s.zero and mesh.size("dp") * mesh.size("cp") > 1:  # the dp x cp ranks hold the same weights
+                n, i = mesh.size("dp") * mesh.size("cp"), c.get("dp", 0) * mesh.size("cp") + c.get("cp", 0)
                 shard = chunk(shard, 0, n, i) if s.zero == "dim0" else flat_chunk(shard, n, i)
             layout.shards[rank] = shard
         out[name] = layout

@@ -29,10 +29,12 @@ def _checks() -> list[str]:
 # Left out of the suite's dry run for time (each starts a vLLM engine, most of them Ray too, on the CPU: 15-45 s
 # apiece; the whole dry run takes 4 min on 2 cores), each run on the CPU elsewhere in the suite: the suite runs the
 # vLLM placements in tests/workers/test_vllm_*.py (gpt-oss-sync's and moe-sync's: the zoo's vLLM steps on gpt-oss and
-# the MoE models), nccl's sharded-against-plain loss on gloo in tests/train/test_parallel.py, and trl-vllm is a
-# timing (TRL's loss match: tests/bench/test_trl_match.py). `python bench/gpu_check.py --dry-run` runs them all.
+# the MoE models), nccl's sharded-against-plain loss on gloo in tests/train/test_parallel.py, cp2's context parallel
+# on gloo in tests/train/test_context_parallel.py and (Ray, the hf engine) tests/workers/test_placement.py, and
+# trl-vllm is a timing (TRL's loss match: tests/bench/test_trl_match.py). `python bench/gpu_check.py --dry-run` runs
+# them all.
 HEAVY = ["vllm-sleep", "vllm-train", "colocated-ray", "tp2-engine", "split-channel", "lora-vllm", "vllm-stream",
-         "stream-split", "gpt-oss-sync", "mla-sync", "vision", "vision-ray", "moe-sync", "nccl", "trl-vllm"]
+         "stream-split", "gpt-oss-sync", "mla-sync", "vision", "vision-ray", "moe-sync", "nccl", "trl-vllm", "cp2"]
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed: its checks would fail")

@@ -101,6 +101,14 @@ def test_bad_value_names_field_and_value():
     (["placement.backend=ray", "placement.workers=4", "placement.expert_parallel=2", "placement.tensor_parallel=2"],
      r"placement\.expert_parallel: 2 with placement\.tensor_parallel: 2: expert parallelism replaces tensor "
      r"parallelism for the experts"),
+    (["placement.backend=ray", "placement.workers=3", "placement.context_parallel=2"],
+     r"placement\.context_parallel: 2 x tensor_parallel: 1 does not divide placement\.workers=3"),
+    (["placement.backend=ray", "placement.workers=2", "placement.context_parallel=2", "batch.padding_free=false"],
+     r"placement\.context_parallel: 2 splits each micro-batch's rows laid end to end; set batch\.padding_free: true"),
+    (["placement.backend=ray", "placement.workers=4", "placement.context_parallel=2", "placement.expert_parallel=2"],
+     r"placement\.context_parallel: 2 with placement\.expert_parallel: 2"),
+    (["placement.backend=ray", "placement.workers=2", "placement.context_parallel=2", "lora.enabled=true"],
+     r"placement\.context_parallel: 2 with lora\.enabled"),
 ])
 def test_impossible_arithmetic_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -89,6 +89,25 @@ def _folder(tmp_path: Path, name: str, config: dict) -> Path:
     return folder
 
 
+@pytest.mark.parametrize("teacher, says", [
+    ({"model_type": "qwen3_moe", "num_experts": 4}, "has experts"),
+    ({"model_type": "llama", "num_attention_heads": 3, "num_key_value_heads": 1}, "has 3 attention heads per"),
+])
+def test_a_teacher_beside_a_context_parallel_policy_is_checked_as_the_policy(tmp_path, teacher, says):
+    """The teacher runs on the policy's mesh, split as it is: refused where context parallel does not cover it,
+    unless it scores on workers of its own."""
+    from tandem.run.preflight import _check_teacher_split
+
+    folder = _folder(tmp_path, "teacher", teacher)
+    ray = ["placement.backend=ray", "placement.workers=2", "placement.context_parallel=2",
+           f"algo.distill.teacher={folder}"]
+    with pytest.raises(ConfigError, match=f"algo.distill.teacher .*{says}.*placement.teacher_workers: 1"):
+        _check_teacher_split(load_config(None, ray))
+    _check_teacher_split(load_config(None, [*ray, "placement.teacher_workers=1"]))
+    dense = _folder(tmp_path, "dense", {"model_type": "llama", "num_attention_heads": 4})
+    _check_teacher_split(load_config(None, [*ray, f"algo.distill.teacher={dense}"]))
+
+
 def test_every_refusal_fires_from_config_json_alone(tmp_path, monkeypatch):
     """Each `Refusal` of the table, raised by the preflight check with only a config.json in the folder (no weights,
     no tokenizer) and no model loaded; its error names the setting."""
@@ -115,6 +134,11 @@ def test_every_refusal_fires_from_config_json_alone(tmp_path, monkeypatch):
         ({"model_type": "qwen3_moe", "num_experts": 6}, ray + ["placement.expert_parallel=4"],
          "placement.expert_parallel: 4 does not divide the model's num_experts=6"),
         ({"model_type": "deepseek_v3", "n_routed_experts": 4}, ["rollout.engine=vllm"], "scoring_func=None"),
+        ({"model_type": "qwen3_moe", "num_experts": 4}, ray + ["placement.context_parallel=2"],
+         "placement.context_parallel: 2, but model.path is Qwen3-MoE ('qwen3_moe'), which has experts"),
+        ({"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 2},
+         ray + ["placement.context_parallel=4"], "placement.context_parallel: 4 does not divide the model's 6 "
+         "attention heads per tensor-parallel rank"),
     ]
     if not torch.cuda.is_available():
         cases.append(({"model_type": "qwen3_5_text"}, ["rollout.engine=vllm"], "on a machine without a GPU"))

@@ -42,6 +42,11 @@ def layout_cases() -> dict[str, tuple[ModelLayout, ModelLayout, dict]]:
                              build_layout(p4, dp2tp2, DENSE_TP4.spec()), {}),
         "dp1tp2cp2_to_dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), DENSE.spec()),
                                 build_layout(p, dp2tp2, DENSE.spec()), {}),
+        # tandem's context parallel: FSDP2 over dp x cp after TP (placement.context_parallel: 2, tensor_parallel: 2)
+        "dp1tp2cp2_fsdp_to_dp2tp2": (build_layout(p, Mesh.of(cp=2, tp=2), DENSE.spec(zero="dim0")),
+                                     build_layout(p, dp2tp2, DENSE.spec()), {}),
+        "dp1tp2cp2_fsdp_to_replicas": (build_layout(p, Mesh.of(cp=2, tp=2), DENSE.spec(zero="dim0")),
+                                       replicated_layout(p, range(4)), {}),
         "dp1tp2ep2_to_dp2tp2": (build_layout(pm, Mesh.of(ep=2, tp=2), MOE.spec(ep=2)),
                                 build_layout(pm, dp2tp2, MOE.spec()), {}),
         "dp1tp4_to_dp2tp2_ranks_assigned": (build_layout(p4, Mesh.of(tp=4), DENSE_TP4.spec()),
@@ -208,19 +213,34 @@ def dtensor_cases(rank: int) -> dict[str, str]:
             self.norm = nn.LayerNorm(16)
 
     results = {}
-    for case in ("fsdp2_4", "fsdp2_x_tp_2x2"):
+    for case in ("fsdp2_4", "fsdp2_x_tp_2x2", "fsdp2_x_cp_x_tp_1x2x2"):
         try:
             torch.manual_seed(0)
             model = Tiny()
             full = {n: p.detach().clone() for n, p in model.named_parameters()}
             if case == "fsdp2_4":
                 fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
-            else:
+            elif case == "fsdp2_x_tp_2x2":
                 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
                 parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
                 fully_shard(model, mesh=mesh["dp"])
+            else:  # tandem's context parallel mesh: FSDP2 over the flattened dp x cp, TP over tp
+                from tandem.train.parallel import build_mesh, fsdp_mesh
+
+                mesh = build_mesh(list(range(4)), 1, 2, "cpu", cp=2)
+                parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+                fully_shard(model, mesh=fsdp_mesh(mesh))
             named = dict(model.named_parameters())
             src = layout_from_dtensors(named)
+            if case == "fsdp2_x_cp_x_tp_1x2x2":  # the planner's description of it: ZeRO over dp x cp after TP
+                tp_dims = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
+                said = build_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, Mesh.of(cp=2, tp=2),
+                                    {n: Spec(tp_dim=tp_dims.get(n), zero="dim0") for n in named}.__getitem__)
+                wrong = [(n, r) for n in full for r in range(4)  # every rank's, so all agree on skipping
+                         if not torch.equal(local_tensor(said[n], r, full[n]), local_tensor(src[n], r, full[n]))]
+                if wrong:
+                    results[case] = f"build_layout's cp x tp layout is not the live one: {wrong}"
+                    continue
             dst = replicated_layout({n: (tuple(t.shape), t.dtype) for n, t in named.items()}, range(4))
             got = Resharder(plan(src, dst), rank).run(named)  # every rank takes part before any check can fail
             bad = [n for n in full if not torch.equal(got[n], full[n])]

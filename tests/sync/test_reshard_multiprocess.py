@@ -16,7 +16,8 @@ import reshard_cases  # noqa: E402
 from conftest import free_port  # noqa: E402
 
 WORLD = 4
-CASES = list(reshard_cases.layout_cases()) + ["fsdp2_4", "fsdp2_x_tp_2x2"] + reshard_cases.CHANNEL_CASES
+CASES = (list(reshard_cases.layout_cases()) + ["fsdp2_4", "fsdp2_x_tp_2x2", "fsdp2_x_cp_x_tp_1x2x2"]
+         + reshard_cases.CHANNEL_CASES)
 
 
 @pytest.fixture(scope="module")
