@@ -16,12 +16,12 @@ import torch
 from tandem.data import arithmetic, long_tail
 from tandem.modeling import load_causal_lm, load_tokenizer
 from tandem.demo.arithmetic import DemoModelSpec, arithmetic_model, teacher_answer
-from tandem.demo.common import cached_model, log, masked_nll
+from tandem.demo.common import DemoShape, cached_model, log, masked_nll
 
 
 @dataclass(frozen=True)
 class LongTailSpec(DemoModelSpec):
-    """The dense demo's model (the fields it shares are its spec's) warm-started further, the teacher counting down
+    """The dense demo's model (of this shape and seed) warm-started further, the teacher counting down
     after each answer from n: lognormal around `count_median` (sigma `count_sigma` of its log), clipped to
     [1, `count_max`]."""
 
@@ -103,10 +103,9 @@ def warm_start(model, tokenizer, spec: LongTailSpec) -> tuple[float, float, int]
 def long_tail_model(spec: LongTailSpec = LongTailSpec(), root: Path | None = None) -> Path:
     """Path of the long-tail demo's model folder, warm-started, built on first use and cached."""
     def build():
-        # the dense demo's model of the same shape and warm start (its byte-level BPE encodes `;` and spaces too);
-        # `version` is this builder's own
-        base = arithmetic_model(DemoModelSpec(**{f.name: getattr(spec, f.name) for f in fields(DemoModelSpec)
-                                                 if f.name != "version"}))
+        # the dense demo's model of this shape and seed, warm-started as the dense demo's is (its byte-level BPE
+        # encodes `;` and spaces too); the warm-start fields of `spec` are this builder's own
+        base = arithmetic_model(DemoModelSpec(**{f.name: getattr(spec, f.name) for f in fields(DemoShape)}))
         tokenizer, model = load_tokenizer(base), load_causal_lm(base)
         model.config.max_position_embeddings = spec.max_positions
         acc, sampled, steps = warm_start(model, tokenizer, spec)
