@@ -1,13 +1,15 @@
 """Trained tokens per second and peak memory of the policy update, padded vs packed micro-batches, on a long-tail mix.
 
     .venv/bin/python bench/bench_packing.py [--steps 3] [--warmup 1] [--prompts 4] [--group 8] [--prompt-tokens 32]
-        [--median 128] [--sigma 1.3] [--seed 0] [--micro-tokens 4096] [--threads 1] [--no-trl] [--quick]
+        [--median 128] [--sigma 1.3] [--seed 0] [--micro-tokens 4096] [--threads 1] [--arch qwen2|qwen3] [--no-trl]
+        [--quick]
 
 One step's completions are drawn once, with fixed token ids: `--prompts` prompts of `--prompt-tokens` tokens, each
 with `--group` completions whose lengths are lognormal (median `--median`, sigma `--sigma`, seeded by `--seed`)
 clipped to [16, 2048] tokens, as reasoning traces are: most short, a few over a thousand. The model is a random Qwen2
 of bench/bench_trl.py's `small` shape (hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 512, the demo's byte-level
-BPE; built here, no download).
+BPE; built here, no download); `--arch qwen3`, the model zoo's Qwen3 (tests/zoo_models.py) at that shape, which
+has no prompt-once layout, so its padded micro-batches are plain [rows, longest].
 
 The policy update is measured through tandem's trainer as a run drives it: a `TrainWorker` per layout
 (`batch.padding_free=false`, today's left-padded micro-batches, and `true`, each micro-batch's rows end to end),
@@ -263,6 +265,21 @@ def trl_child(model: Path, step: dict, args, work: Path) -> dict:
 # ---------------------------------------------------------------------------------------------- parent
 
 
+def build(folder: Path, shape: Workload, arch: str) -> int:
+    """The model of `shape` in `folder`: bench_trl's Qwen2, or the zoo's Qwen3; returns its parameter count."""
+    if arch == "qwen2":
+        return build_model(folder, shape)
+    sys.path.insert(0, str(ROOT / "tests"))
+    import zoo_models
+
+    zoo_models.build(folder, "qwen3", hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                     num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                     head_dim=shape.hidden // shape.heads, intermediate_size=shape.mlp)
+    from tandem.modeling import load_causal_lm
+
+    return sum(p.numel() for p in load_causal_lm(folder).parameters())
+
+
 def quick_shape() -> Workload:
     """The --quick model: the `small` workload's Qwen2 cut to hidden 64 and 2 layers."""
     return Workload("quick", 1, 1, 1, 64, 2, 4, 2, 128, ignore_eos=False, micro_rows=1)
@@ -297,6 +314,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the lengths, token ids and advantages")
     ap.add_argument("--micro-tokens", type=int, default=4096, help="batch.micro_batch_tokens")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (TRL's child too)")
+    ap.add_argument("--arch", choices=["qwen2", "qwen3"], default="qwen2",
+                    help="qwen3: the zoo's Qwen3 at the same shape (no prompt-once layout: padded is plain)")
     ap.add_argument("--no-trl", action="store_true", help="leave TRL out")
     ap.add_argument("--quick", action="store_true",
                     help="a tiny model, 2 prompts x 2, one update each, no TRL: checks the bench runs (times mean "
@@ -317,13 +336,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-packing-") as tmp:
         work = Path(tmp)
         shape = quick_shape() if args.quick else WORKLOADS["small"]
-        params = build_model(work / "model", shape)
+        params = build(work / "model", shape, args.arch)
         vocab = json.loads((work / "model" / "config.json").read_text())["vocab_size"]
         step = fixed_step(args, vocab)
         lengths = sorted(map(len, step["completions"]))
         print(f"torch {torch.__version__}, {args.threads} torch thread(s), {os.cpu_count()} cores; fp32 matmul rate "
               f"{matmul_gflops(args.threads):.1f} GFLOP/s; load average {os.getloadavg()[0]:.2f}")
-        print(f"model: random Qwen2 hidden {shape.hidden}, {shape.layers} layers, {shape.heads} heads, "
+        name = "Qwen2" if args.arch == "qwen2" else "Qwen3 (the zoo's builder)"
+        print(f"model: random {name} hidden {shape.hidden}, {shape.layers} layers, {shape.heads} heads, "
               f"{shape.kv_heads} KV heads, MLP {shape.mlp} ({params / 1e6:.2f} M parameters)")
         print(f"mix: {args.prompts} prompts of {args.prompt_tokens} tokens x group {args.group}; completion lengths "
               f"lognormal(median {args.median:g}, sigma {args.sigma:g}) clipped to [{SHORTEST}, {LONGEST}], seed "
