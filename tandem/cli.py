@@ -64,12 +64,15 @@ def _demo(args) -> int:
 
 
 def _demo_model(cfg) -> Path:
-    """The demo's model for the config: the tool demo's for its task (examples/tools.yaml), the one `model.path:
-    demo:<name>` names (examples/moe.yaml), else the dense arithmetic one."""
-    from tandem.demo import DEMO_MODELS, demo_model, tool_demo_model
+    """The demo's model for the config: the tool demo's or the long-tail demo's for their tasks (examples/tools.yaml,
+    examples/long_tail.yaml), the one `model.path: demo:<name>` names (examples/moe.yaml), else the dense arithmetic
+    one."""
+    from tandem.demo import DEMO_MODELS, demo_model, long_tail_model, tool_demo_model
 
     if cfg.data.task == "multiply":
         return tool_demo_model()
+    if cfg.data.task == "long_tail":
+        return long_tail_model()
     if cfg.model.path.startswith("demo:"):
         name = cfg.model.path.removeprefix("demo:")
         if name not in DEMO_MODELS:

@@ -124,9 +124,11 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arithmetic", "multiply", "colors", "gsm8k", "jsonl"] = Field(
+    task: Literal["arithmetic", "multiply", "long_tail", "colors", "gsm8k", "jsonl"] = Field(
         "arithmetic", description="`arithmetic`: the built-in demo task (generated, no files). `multiply`: 3-4 digit "
-        "products, the tool demo's task (examples/tools.yaml: a calculator makes it solvable). `colors`: the vision "
+        "products, the tool demo's task (examples/tools.yaml: a calculator makes it solvable). `long_tail`: the "
+        "arithmetic task's sums, each answer followed by a countdown of long-tailed length, the long-tail demo's "
+        "task (examples/long_tail.yaml; reward `long_tail_exact`). `colors`: the vision "
         "demo's task, the colour of a shape in a picture rendered here (examples/vision.yaml). `gsm8k`: the official "
         "GSM8K data in `path` (question / answer after ####): the jsonl files, or `openai/gsm8k` with `subset: main`. "
         "`jsonl`: rows from any source `path` takes, with `prompt_field` and `answer_field`.",
@@ -151,7 +153,8 @@ class DataConfig(Section):
     )
     eval_path: str = Field(
         "", description="Held-out data, in any form `path` takes (for gsm8k: test.jsonl). Empty: the built-in "
-        "tasks' (arithmetic, multiply) own held-out splits; for a dataset with splits at `path`, its `eval_split`; "
+        "tasks' (arithmetic, multiply, long_tail) own held-out splits; for a dataset with splits at `path`, its "
+        "`eval_split`; "
         "otherwise (a file, or a dataset with no test or validation split) the first eval_size training prompts, "
         "with a warning: scores on them measure memorization as much as skill.",
     )

@@ -178,7 +178,7 @@ def _data(cfg: Config) -> None:
     if d.task in ("gsm8k", "jsonl") and not d.path:
         raise ConfigError(f"data.path: empty, but data.task={d.task!r} reads data; set data.path (a file, a "
                           "dataset folder or a Hugging Face dataset id)")
-    if d.task in ("arithmetic", "multiply"):
+    if d.task in ("arithmetic", "multiply", "long_tail"):
         given = [f"data.{f}: {getattr(d, f)}" for f in ("split", "subset", "eval_split", "eval_subset")
                  if getattr(d, f) != type(d).model_fields[f].default]
         if given:

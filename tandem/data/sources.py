@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from tandem.data import arithmetic, colors, multiply
+from tandem.data import arithmetic, colors, long_tail, multiply
 from tandem.data.images import attach_images, content_text, parts_problem, refuse_image_rows
 from tandem.data.rows import DataError, Source, open_source, read_rows, row_at, source_rows
 
@@ -18,7 +18,8 @@ log = logging.getLogger("tandem.data")
 
 GSM8K_INSTRUCTION = "Solve the problem. Put the final numeric answer after '####'."
 # generated, with a held-out split
-BUILT_IN_TASKS = {"arithmetic": arithmetic.rows, "multiply": multiply.rows, "colors": colors.rows}
+BUILT_IN_TASKS = {"arithmetic": arithmetic.rows, "multiply": multiply.rows, "colors": colors.rows,
+                  "long_tail": long_tail.rows}
 HELD_OUT_SPLITS = ("test", "validation")  # where a dataset's held-out rows are, in the order they are looked for
 
 

@@ -2,8 +2,9 @@
 
 One module per demo, highest first (pyproject.toml's contract on `tandem.demo`): `catalog` (the models by the names
 presets give them, and `demo_model`); `teacher` (the GRPO-trained model); `families` (the arithmetic model as a
-Qwen3-MoE and a Qwen3.5), `tools`, `reward` (the reward model), `vision`, `qwen_vision`; `arithmetic` (the dense
-model, warm-started on sums); `common` (the shape, tokenizer, loss and cache they share). What callers use is here."""
+Qwen3-MoE and a Qwen3.5), `tools`, `long_tail` (the long-tail demo's), `reward` (the reward model), `vision`,
+`qwen_vision`; `arithmetic` (the dense model, warm-started on sums); `common` (the shape, tokenizer, loss and cache
+they share). What callers use is here."""
 from tandem.demo.arithmetic import (DEMO_DEFAULTS, DemoModelSpec, arithmetic_model, greedy_answers,  # noqa: F401
                                     sampled_agreement, sampled_answers, teacher_answer, warm_start)
 from tandem.demo.catalog import DEMO_MODELS, DEMO_REWARD_MODELS, demo_model  # noqa: F401
@@ -11,6 +12,7 @@ from tandem.demo.common import (EOS, PAD, DemoShape, build_tokenizer, cache_root
                                 cached_model, masked_nll)
 from tandem.demo.families import HybridDemoSpec, MoEDemoSpec  # noqa: F401
 from tandem.demo.qwen_vision import QWEN_VISION_TEMPLATE, QWEN_VISION_TOKENS, build_qwen_vision  # noqa: F401
+from tandem.demo.long_tail import LongTailSpec, long_tail_model  # noqa: F401
 from tandem.demo.reward import (WRONG_KINDS, RewardModelSpec, encode_scored, near_misses,  # noqa: F401
                                 pairwise_accuracy, ranks_first, reward_model, reward_model_loss, reward_scores,
                                 train_reward_model, wrong_answer)

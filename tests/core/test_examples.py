@@ -23,12 +23,14 @@ def test_the_demo_builds_the_model_a_preset_names(monkeypatch):
     built = []
     monkeypatch.setattr(demo, "demo_model", lambda spec=None: built.append(spec or demo.DemoModelSpec()) or Path("m"))
     monkeypatch.setattr(demo, "tool_demo_model", lambda: built.append("tools") or Path("t"))
+    monkeypatch.setattr(demo, "long_tail_model", lambda: built.append("long tail") or Path("l"))
     examples = Path(__file__).resolve().parents[2] / "examples"
     _demo_model(load_config(examples / "moe.yaml", [], DEMO_DEFAULTS))
     _demo_model(load_config(examples / "qwen3_5.yaml", [], DEMO_DEFAULTS))
     _demo_model(load_config(None, [], DEMO_DEFAULTS))
     _demo_model(load_config(None, ["data.task=multiply"], DEMO_DEFAULTS))
-    assert built == [demo.MoEDemoSpec(), demo.HybridDemoSpec(), demo.DemoModelSpec(), "tools"]
+    _demo_model(load_config(examples / "long_tail.yaml", [], DEMO_DEFAULTS))
+    assert built == [demo.MoEDemoSpec(), demo.HybridDemoSpec(), demo.DemoModelSpec(), "tools", "long tail"]
     with pytest.raises(ConfigError, match="'demo:gpt_oss' names no demo model; the demo builds demo:qwen3_moe, "
                                           "demo:qwen3_5"):
         _demo_model(load_config(None, ["model.path=demo:gpt_oss"], DEMO_DEFAULTS))
