@@ -34,6 +34,8 @@ KNOWN_ALIASES = {
     "prompt_max_len": ("data.max_prompt_tokens", "OpenRLHF"), "use_vllm": ("rollout.engine", "TRL"),
     "vllm_mode": ("rollout.vllm.mode", "TRL"), "tensor_model_parallel_size": ("rollout.tensor_parallel", "verl"),
     "vllm_tensor_parallel_size": ("rollout.tensor_parallel", "TRL/OpenRLHF"),
+    "ulysses_sequence_parallel_size": ("placement.context_parallel", "verl"),
+    "context_parallel_size": ("placement.context_parallel", "Megatron"),
     "max_steps": ("run.steps", "TRL/transformers"), "total_training_steps": ("run.steps", "verl"),
     "save_steps": ("run.save_every", "TRL/transformers"), "save_freq": ("run.save_every", "verl"),
     "eval_steps": ("run.eval_every", "TRL/transformers"), "test_freq": ("run.eval_every", "verl"),

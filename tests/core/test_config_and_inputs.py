@@ -41,6 +41,8 @@ def test_unknown_key_suggests_nearest(tmp_path):
     ("optim.epsilon=1e-6", r"did you mean 'eps'\?"),
     ("algo.num_generations=4", r"algo\.num_generations: unknown key; tandem calls it batch\.group_size"),
     ("learning_rate=1e-5", r"learning_rate: unknown key; tandem calls it optim\.lr"),
+    ("placement.ulysses_sequence_parallel_size=2",
+     r"did you mean 'context_parallel'\? \('ulysses_sequence_parallel_size' in verl\)"),
 ])
 def test_other_frameworks_names_point_to_the_field(override, hint):
     with pytest.raises(ConfigError, match=hint):

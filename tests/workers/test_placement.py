@@ -338,14 +338,17 @@ def test_a_reward_model_and_a_teacher_on_workers_of_their_own_score_as_in_one_pr
     assert ray["time/teacher"] > 0 and ray["reward_model/model/batches"] >= 1
 
 
-def test_context_parallel_workers_train_as_one_process_and_sync_exactly(session, tiny_model, tmp_path):
-    """2 colocated workers under placement.context_parallel: 2 (each row's sequence split over both, FSDP over both)
-    run the GRPO loop as one process does: the same losses, and every step's sampler logprobs (the hf engine, filled
-    by the planned reshard of the cp-sharded weights) equal the trainer's (1e-5): red if the sync misread the
-    dp x cp layout, or if either side's forward differed."""
+@pytest.mark.parametrize("placement", [
+    ["placement.workers=2"],
+    ["placement.mode=split", "placement.train_workers=2", "placement.rollout_workers=1"]])
+def test_context_parallel_trainers_train_as_one_process_and_sync_exactly(session, tiny_model, tmp_path, placement):
+    """2 training workers under placement.context_parallel: 2 (each row's sequence split over both, FSDP over both),
+    colocated and split, run the GRPO loop as one process does: the same losses, and every step's sampler logprobs
+    (the hf engine, filled by the planned reshard of the cp-sharded weights, in the group or over the weight channel)
+    equal the trainer's (1e-5): red if the sync misread the dp x cp layout, or if either side's forward differed."""
     extra = ["run.steps=3", "run.save_every=0"]
     train(small_config(tiny_model, tmp_path / "one", *extra, "placement.backend=local"))
-    train(small_config(tiny_model, tmp_path / "cp", *extra, "placement.workers=2", "placement.context_parallel=2"))
+    train(small_config(tiny_model, tmp_path / "cp", *extra, *placement, "placement.context_parallel=2"))
     one, cp = ([r for r in read_metrics(tmp_path / d) if r["step"] > 0] for d in ("one", "cp"))
     assert [r["step"] for r in cp] == [1, 2, 3] and all(r["sync/bytes"] > 0 for r in cp)
     assert all(r["logprob_diff"] < 1e-5 for r in cp), [r["logprob_diff"] for r in cp]
