@@ -35,7 +35,7 @@ processes and report, tested in the suite (`tests/bench/test_gpu_check.py`) so t
   mla-sync        a tiny DeepSeek-V3 with vLLM in process on its CUDA latent-attention backend: logprob_diff; then
                   LoRA on its attention served by vLLM's own LoRA (q_a_proj and kv_a_proj_with_mqa packed in one)
   varlen          attention by rows of a padding-free sequence (tandem.train.varlen) on PyTorch's varlen flash kernel,
-                  bf16: outputs and gradients against the per-row loop (rows of 1 to 300, GQA, a sliding window);
+                  bf16: outputs and gradients against the CPU path (rows of 1 to 300, GQA, a sliding window);
                   a tiny Qwen2 packed by rows against padded (logprobs)
   vision          a tiny vision-language model (Idefics3) through the loop on the colors task, hf and vLLM in process:
                   logprob_diff after each sync
@@ -282,12 +282,12 @@ def check_varlen(work: Path) -> str:
         q, k, v = (torch.randn(1, h, N, 64, generator=g).to(device(), dtype).requires_grad_()
                    for h in (8, kv_heads, kv_heads))
         fast = varlen.attend(q, k, v, lengths, 0.125, window)  # flash on CUDA
-        loop = varlen.attend(*(x.float() for x in (q, k, v)), lengths, 0.125, window)  # the per-row loop, fp32
+        loop = varlen.attend(*(x.float() for x in (q, k, v)), lengths, 0.125, window)  # fp32: the CPU path
         weights = torch.randn(fast.shape, generator=g).to(device())
         grads = zip(torch.autograd.grad(fast.float(), (q, k, v), weights),
                     torch.autograd.grad(loop, (q, k, v), weights))
         worst = max([worst, float((fast.float() - loop).abs().max())] + [float((a - b).abs().max()) for a, b in grads])
-    assert worst < (1e-5 if DRY else 5e-2), f"row attention: flash against the per-row loop differs by {worst:.3g}"
+    assert worst < (1e-5 if DRY else 5e-2), f"row attention: flash against the CPU path differs by {worst:.3g}"
     path = tiny(work / "tiny")
     model = load_causal_lm(str(path), "float32" if DRY else "bfloat16").to(device())
     varlen.use(model, profile(path))
@@ -298,8 +298,8 @@ def check_varlen(work: Path) -> str:
         gap = float(((token_logprobs(model, mb, 1.0)[0] - token_logprobs(model, mb, 1.0, packed=False)[0]).abs()
                      * mb.mask).max())
     assert gap < (1e-5 if DRY else 5e-2), f"packed by rows against padded: logprobs differ by {gap:.3g}"
-    kernel = "the per-row loop (dry run)" if DRY else "varlen_attn"
-    return f"{kernel}: max |diff| {worst:.3g} against the fp32 per-row loop (outputs, grads); packed {gap:.3g}"
+    kernel = "the CPU path (dry run)" if DRY else "varlen_attn"
+    return f"{kernel}: max |diff| {worst:.3g} against the fp32 CPU path (outputs, grads); packed {gap:.3g}"
 
 
 @check("cp2", gpus=2)

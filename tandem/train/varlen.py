@@ -94,7 +94,7 @@ def _flash_fits(query: torch.Tensor, dropout: float) -> bool:
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int], scale: float | None,
            window: int | None) -> torch.Tensor:
     """`attend` by PyTorch's varlen flash kernel (CUDA only, so never run by the CPU tests: bench/gpu_check.py's
-    varlen check compares it with the per-row loop). Its window counts the positions before the query, hence the
+    varlen check compares it with the CPU path). Its window counts the positions before the query, hence the
     one less than transformers' sliding_window."""
     from torch.nn.attention.varlen import varlen_attn
 

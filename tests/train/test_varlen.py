@@ -67,3 +67,21 @@ def test_no_mask_inside_a_padding_free_forward_and_sdpa_s_outside():
     with varlen.rows(torch.tensor([2, 2])):
         assert varlen.running() == [2, 2] and varlen._mask(**kw) is None
     assert varlen.running() is None
+
+
+def test_outside_a_padding_free_forward_a_model_attends_as_sdpa(tiny_model):
+    """A model given row attention (`use`) runs a padded forward (left padding, its mask) and a cached greedy
+    generation exactly as with sdpa: what the padded layout, the prompt-once layout and the hf engine run."""
+    from tandem.architectures import profile
+    from tandem.modeling import load_causal_lm
+
+    plain, rows = load_causal_lm(str(tiny_model)), load_causal_lm(str(tiny_model))
+    varlen.use(rows, profile(tiny_model))
+    assert rows.config._attn_implementation == varlen.ATTENTION and plain.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        logits = [m(input_ids=ids, attention_mask=mask).logits for m in (plain, rows)]
+        assert torch.equal(*logits)
+        kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(plain.generate(ids, **kw), rows.generate(ids, **kw))
