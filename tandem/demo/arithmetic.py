@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -67,6 +67,24 @@ def teacher_answer(a: int, b: int, rng: random.Random, carry_error: float) -> st
     return arithmetic.carryless(a, b) if rng.random() < carry_error else arithmetic.answer(a, b)
 
 
+def supervised_step(model, tokenizer, opt: torch.optim.Optimizer, batch: list[tuple[int, int]],
+                    completion: Callable[[int, int], str]) -> torch.Tensor:
+    """One supervised step on `completion(a, b)` (then EOS) after each question of `batch`, the questions masked out
+    of the loss: the warm starts' step (this demo's and those built on its task). Returns the loss."""
+    eos = tokenizer.eos_token_id
+    seqs, masks = [], []
+    for a, b in batch:
+        q = tokenizer.encode(arithmetic.question(a, b))
+        out = tokenizer.encode(completion(a, b)) + [eos]
+        seqs.append(q + out)
+        masks.append([0] * len(q) + [1] * len(out))
+    loss = masked_nll(model, seqs, masks, eos)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def warm_start(model, tokenizer, spec: DemoModelSpec) -> tuple[float, float, float | None, int]:
     """Supervised steps on the imperfect teacher's answers to train questions, until the model's greedy answers on
     held-out questions are the teacher's (correct or carry-less), and where the spec asks, its samples at temperature
@@ -76,22 +94,13 @@ def warm_start(model, tokenizer, spec: DemoModelSpec) -> tuple[float, float, flo
     held_pairs = [tuple(map(int, r["question"][:-1].split("+"))) for r in held]
     rng = random.Random(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.warm_lr)
-    eos = tokenizer.eos_token_id
     acc = agree = 0.0
     sampled = None
     step = 0
     model.train()
     while step < spec.warm_max_steps:
-        seqs, masks = [], []
-        for a, b in rng.sample(pairs, spec.warm_batch):
-            q = tokenizer.encode(arithmetic.question(a, b))
-            ans = tokenizer.encode(teacher_answer(a, b, rng, spec.teacher_carry_error)) + [eos]
-            seqs.append(q + ans)
-            masks.append([0] * len(q) + [1] * len(ans))
-        loss = masked_nll(model, seqs, masks, eos)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = supervised_step(model, tokenizer, opt, rng.sample(pairs, spec.warm_batch),
+                               lambda a, b: teacher_answer(a, b, rng, spec.teacher_carry_error))
         step += 1
         if step % 25 == 0:
             got = greedy_answers(model, tokenizer, held)

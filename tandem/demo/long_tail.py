@@ -15,8 +15,8 @@ import torch
 
 from tandem.data import arithmetic, long_tail
 from tandem.modeling import load_causal_lm, load_tokenizer
-from tandem.demo.arithmetic import DemoModelSpec, arithmetic_model, teacher_answer
-from tandem.demo.common import DemoShape, cached_model, log, masked_nll
+from tandem.demo.arithmetic import DemoModelSpec, arithmetic_model, supervised_step, teacher_answer
+from tandem.demo.common import DemoShape, cached_model, log
 
 
 @dataclass(frozen=True)
@@ -69,22 +69,12 @@ def warm_start(model, tokenizer, spec: LongTailSpec) -> tuple[float, float, int]
     held = arithmetic.rows("test")[:200]
     rng = random.Random(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.warm_lr)
-    eos = tokenizer.eos_token_id
     acc = sampled = 0.0
     step = 0
     model.train()
     while step < spec.warm_max_steps:
-        seqs, masks = [], []
-        for a, b in rng.sample(pairs, spec.warm_batch):
-            q = tokenizer.encode(arithmetic.question(a, b))
-            out = tokenizer.encode(long_tail.completion(teacher_answer(a, b, rng, spec.teacher_carry_error),
-                                                        spec.count(rng))) + [eos]
-            seqs.append(q + out)
-            masks.append([0] * len(q) + [1] * len(out))
-        loss = masked_nll(model, seqs, masks, eos)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = supervised_step(model, tokenizer, opt, rng.sample(pairs, spec.warm_batch), lambda a, b: (
+            long_tail.completion(teacher_answer(a, b, rng, spec.teacher_carry_error), spec.count(rng))))
         step += 1
         if step % 25 == 0:
             got = answers(model, tokenizer, held, spec, 1, 0.0)
